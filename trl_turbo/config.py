@@ -1,0 +1,137 @@
+"""The GRPOConfig fields trl_turbo adds, and their validation.
+
+Design: the user surface stays TRL's own `GRPOConfig`. `install()` turns the fields below into real dataclass fields
+of `trl.GRPOConfig` (and of its subclasses that exist at that moment) in place, keeping class identity, so
+`GRPOConfig(turbo_...=...)`, `HfArgumentParser`, `TrlParser` YAML, `trl-turbo grpo --turbo_...`, pickling and
+`copy.deepcopy` all work. Every name starts with `turbo_` so it can never collide with a field TRL adds later.
+
+Validation lives in one place (`validate`), runs at the end of `GRPOConfig.__post_init__` — before any model is
+loaded — and raises `ValueError`s that name the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .losses import LOSS_TYPES, validate_loss_options
+
+# Features whose implementation has not landed yet: their switch exists (so configs written today keep working), but
+# asking for them raises a clear error instead of silently training without them.
+_PENDING_FEATURES: dict[str, str] = {
+    "turbo_offload_checkpoints": "offloaded gradient checkpointing (trl_turbo issue #4)",
+    "turbo_tiled_mlp": "sequence-tiled MLP (trl_turbo issue #4)",
+    "turbo_vllm_shared_weights": "vLLM sharing the training model's weights (trl_turbo issue #5)",
+    "turbo_vllm_standby": "vLLM standby that frees only the KV cache (trl_turbo issue #5)",
+    "turbo_liger_layers": "Liger's fused RMSNorm/RoPE/SwiGLU layers (trl_turbo issue #8)",
+}
+
+
+@dataclass
+class TurboFields:
+    """The fields added to GRPOConfig (also the source of README's field table)."""
+
+    turbo_fused_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute GRPOTrainer's per-token log-probs and entropy with trl_turbo's fused LM-head kernel "
+            "(hidden states + LM-head weight, never [B,T,V] logits; the hidden-state gradient is assembled in the "
+            "forward pass, so the backward needs no recompute GEMM) and the loss with trl_turbo's single loss spec "
+            "(`trl_turbo.losses`), which reproduces TRL's `_compute_loss` for every loss option. Set False for "
+            "stock TRL."
+        },
+    )
+    turbo_reuse_policy_logps: bool = field(
+        default=True,
+        metadata={
+            "help": "When the old-policy log-probs are provably the training forward's own detached log-probs "
+            "(num_iterations == 1 and generation aligned with the optimizer step), skip TRL's extra no-grad forward "
+            "that computes them for vLLM importance-sampling correction, and compute the IS ratio inside the loss "
+            "from the training forward. Needs turbo_fused_loss."
+        },
+    )
+    turbo_logprob_chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per LM-head tile in the fused kernel (one [tokens, vocab] tile lives at a time). None "
+            "picks ~256 MiB tiles. Lower it to trade speed for memory."
+        },
+    )
+    turbo_offload_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "Offload each decoder layer's gradient-checkpoint input to pinned CPU memory on a side stream and "
+            "prefetch it back ahead of the backward pass. (Not available yet: lands with issue #4.)"
+        },
+    )
+    turbo_offload_host_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Host (pinned) memory the checkpoint offload may use, in GiB; checkpoints beyond it stay on the "
+            "GPU. None: 80% of available host memory."
+        },
+    )
+    turbo_tiled_mlp: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute each decoder layer's MLP over token tiles so its working set does not scale with the "
+            "micro-batch's token count. (Not available yet: lands with issue #4.)"
+        },
+    )
+    turbo_tiled_mlp_tokens: int = field(
+        default=8192,
+        metadata={"help": "Tokens per tile for turbo_tiled_mlp."},
+    )
+    turbo_vllm_shared_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "With PEFT LoRA and vllm_mode='colocate': the training model's frozen base weights are views of "
+            "vLLM's weights (one copy) and the adapter goes to vLLM as tensors. (Not available yet: lands with "
+            "issue #5.)"
+        },
+    )
+    turbo_vllm_standby: bool = field(
+        default=False,
+        metadata={
+            "help": "While training runs, release only vLLM's KV cache and keep its weights in place. (Not available "
+            "yet: lands with issue #5.)"
+        },
+    )
+    turbo_liger_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "Apply Liger-Kernel's fused RMSNorm/RoPE/SwiGLU layers to supported architectures. (Not "
+            "available yet: lands with issue #8.)"
+        },
+    )
+
+
+TURBO_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(TurboFields)
+_DICT_FIELDS: tuple[str, ...] = ()
+
+
+def validate(args: Any) -> None:
+    """Raise ValueError/NotImplementedError for unknown or conflicting trl_turbo settings (called in __post_init__)."""
+    for name, what in _PENDING_FEATURES.items():
+        if getattr(args, name):
+            raise NotImplementedError(
+                f"`{name}=True` asks for {what}, which this trl_turbo version does not implement yet. "
+                f"Set `{name}=False`."
+            )
+    if args.turbo_logprob_chunk_tokens is not None and args.turbo_logprob_chunk_tokens < 1:
+        raise ValueError(
+            f"`turbo_logprob_chunk_tokens` must be a positive number of tokens or None, "
+            f"got {args.turbo_logprob_chunk_tokens}."
+        )
+    if args.turbo_tiled_mlp_tokens < 1:
+        raise ValueError(f"`turbo_tiled_mlp_tokens` must be positive, got {args.turbo_tiled_mlp_tokens}.")
+    if args.turbo_offload_host_budget_gib is not None and args.turbo_offload_host_budget_gib < 0:
+        raise ValueError("`turbo_offload_host_budget_gib` must be >= 0 or None.")
+    if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"Unknown `loss_type={args.loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "
+            "Pick one of these, or set `turbo_fused_loss=False` to hand the value to stock TRL."
+        )
+    if args.turbo_fused_loss:
+        validate_loss_options(args)

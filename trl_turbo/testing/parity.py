@@ -1,0 +1,219 @@
+"""Parity harness: the same seeded GRPO computation with stock TRL and with trl_turbo.
+
+Design: two levels, both reused by later features with their switch on.
+- `run_training` runs real GRPOTrainer steps (generation, rewards, loss, optimizer) on a tiny model and records, per
+  optimizer step, the loss, every trainable parameter's gradient and value. Stock runs happen with trl_turbo
+  unpatched (`variant="stock"`), so the comparison is against TRL itself, not against our switches.
+- `loss_and_grads` evaluates one trainer's `_compute_loss` on a hand-built batch with the fused loss on or off, which
+  lets tests cover option grids (vLLM IS modes, reference log-probs, ...) that a CPU training run cannot reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import trl_turbo
+from trl_turbo.tasks import arithmetic
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.testing.tokenizer import VOCAB, build_tokenizer
+
+
+@contextlib.contextmanager
+def patch_state(variant: str) -> Iterator[None]:
+    """`variant="stock"`: TRL exactly as shipped for the duration; `"turbo"`: trl_turbo patched."""
+    if variant not in ("stock", "turbo"):
+        raise ValueError(f"variant must be 'stock' or 'turbo', got {variant!r}")
+    was_patched = trl_turbo.is_patched()
+    if variant == "stock":
+        trl_turbo.unpatch()
+    else:
+        trl_turbo.patch()
+    try:
+        yield
+    finally:
+        if was_patched:
+            trl_turbo.patch()
+        else:
+            trl_turbo.unpatch()
+
+
+def base_config_kwargs(output_dir: str, **overrides: Any) -> dict[str, Any]:
+    """Small, CPU-friendly GRPOConfig arguments shared by the parity tests."""
+    kwargs: dict[str, Any] = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "learning_rate": 1e-2,
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "seed": 0,
+        "data_seed": 0,
+        "gradient_checkpointing": False,
+        "dataloader_num_workers": 0,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+@dataclass
+class StepRecord:
+    loss: float
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def build_trainer(
+    config_kwargs: dict[str, Any],
+    *,
+    arch: str = "llama",
+    peft: bool = False,
+    reward_funcs: list[Callable] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+):
+    """A GRPOTrainer on a tiny `arch` model, the testbed tokenizer and the shipped arithmetic data."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {}))
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    args = GRPOConfig(**config_kwargs)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs or [arithmetic.format_reward, arithmetic.correctness_reward],
+        args=args,
+        train_dataset=arithmetic.load_dataset("train").select(range(64)),
+        processing_class=build_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def run_training(
+    variant: str,
+    config_overrides: dict[str, Any] | None = None,
+    *,
+    steps: int = 3,
+    arch: str = "llama",
+    peft: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+) -> list[StepRecord]:
+    """Seeded GRPO training steps; returns one record per optimizer step."""
+    from transformers import TrainerCallback
+
+    records: list[StepRecord] = []
+
+    class _Recorder(TrainerCallback):
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads = {
+                n: p.grad.detach().clone()
+                for n, p in self.model.named_parameters()
+                if p.requires_grad and p.grad is not None
+            }
+            records.append(StepRecord(loss=float("nan"), grads=grads))
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            records[-1].params = {
+                n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad
+            }
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and records:
+                records[-1].loss = float(logs["loss"])
+
+    with patch_state(variant), tempfile.TemporaryDirectory() as tmp:
+        config = base_config_kwargs(tmp, max_steps=steps, **(config_overrides or {}))
+        torch.manual_seed(0)
+        trainer = build_trainer(config, arch=arch, peft=peft, model_kwargs=model_kwargs)
+        trainer.add_callback(_Recorder(trainer.model))
+        trainer.train()
+    return records
+
+
+def assert_records_close(
+    stock: list[StepRecord], turbo: list[StepRecord], *, rtol: float = 1e-4, atol: float = 1e-6
+) -> None:
+    """Step-by-step equality of losses, gradients and parameters (within float reassociation tolerance)."""
+    assert len(stock) == len(turbo) and stock, f"step counts differ: {len(stock)} vs {len(turbo)}"
+    for step, (a, b) in enumerate(zip(stock, turbo)):
+        torch.testing.assert_close(b.loss, a.loss, rtol=rtol, atol=atol, msg=lambda m: f"loss, step {step}: {m}")
+        assert a.grads.keys() == b.grads.keys(), f"step {step}: different parameters received gradients"
+        for name in a.grads:
+            torch.testing.assert_close(
+                b.grads[name], a.grads[name], rtol=rtol, atol=atol, msg=lambda m: f"grad {name}, step {step}: {m}"
+            )
+            torch.testing.assert_close(
+                b.params[name], a.params[name], rtol=rtol, atol=atol, msg=lambda m: f"param {name}, step {step}: {m}"
+            )
+
+
+def synthetic_batch(
+    trainer: Any,
+    *,
+    batch: int = 4,
+    prompt_len: int = 5,
+    completion_len: int = 7,
+    seed: int = 0,
+    with_sampling_logps: bool = False,
+    with_ref_logps: bool = False,
+    with_old_logps: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A batch shaped like `_generate_and_score_completions`' output, with ragged completions and off-policy noise."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    completion_mask = torch.ones(batch, completion_len, dtype=torch.long)
+    for row in range(batch):
+        length = int(torch.randint(1, completion_len + 1, (1,), generator=gen))
+        completion_mask[row, length:] = 0
+    inputs: dict[str, torch.Tensor] = {
+        "prompt_ids": torch.randint(3, vocab, (batch, prompt_len), generator=gen),
+        "prompt_mask": torch.ones(batch, prompt_len, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab, (batch, completion_len), generator=gen),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(batch, generator=gen),
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+    noise = lambda: 0.3 * torch.randn(batch, completion_len, generator=gen)  # noqa: E731
+    if with_sampling_logps or with_old_logps or with_ref_logps:
+        with torch.no_grad():
+            current, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model,
+                torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                torch.cat([inputs["prompt_mask"], completion_mask], 1),
+                completion_len,
+            )
+        if with_sampling_logps:
+            inputs["sampling_per_token_logps"] = current + noise()
+        if with_old_logps:
+            inputs["old_per_token_logps"] = current + noise()
+        if with_ref_logps:
+            inputs["ref_per_token_logps"] = current + noise()
+    return inputs
+
+
+def loss_and_grads(trainer: Any, inputs: dict[str, torch.Tensor], *, fused: bool) -> tuple[torch.Tensor, dict]:
+    """`trainer._compute_loss` with trl_turbo's fused loss on or off; returns the loss and parameter gradients."""
+    trainer.args.turbo_fused_loss = fused
+    if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer's loop; not run here
+        trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    loss.backward()
+    grads = {
+        n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None
+    }
+    return loss.detach(), grads

@@ -84,6 +84,11 @@ def build_trainer(
     from trl import GRPOConfig, GRPOTrainer
 
     model = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {}))
+    if config_kwargs.get("beta", 0.0) != 0.0 and not peft:
+        # TRL loads the reference model from the policy's name_or_path: give it a local copy to load.
+        model_dir = f"{config_kwargs['output_dir']}/tiny-{arch}"
+        model.save_pretrained(model_dir)
+        model.config._name_or_path = model_dir
     peft_config = None
     if peft:
         from peft import LoraConfig

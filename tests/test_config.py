@@ -1,0 +1,113 @@
+"""The `turbo_*` fields are real GRPOConfig fields: kwargs, HfArgumentParser CLI, TrlParser YAML, pickle, deepcopy,
+validation before any model loads."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+import pytest
+from transformers import HfArgumentParser
+from trl import GRPOConfig, TrlParser
+
+import trl_turbo  # noqa: F401
+from trl_turbo.config import TURBO_FIELDS
+
+CPU = {"bf16": False, "use_cpu": True, "report_to": "none"}
+
+
+def make(tmp_path, **kwargs) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(tmp_path), **CPU, **kwargs)
+
+
+def test_every_field_is_a_documented_dataclass_field():
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for turbo_field in TURBO_FIELDS:
+        assert turbo_field.name in fields
+        assert turbo_field.name.startswith("turbo_")
+        assert len(turbo_field.metadata["help"]) > 30
+
+
+def test_readme_documents_every_field():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for turbo_field in TURBO_FIELDS:
+        assert f"`{turbo_field.name}`" in readme, f"{turbo_field.name} missing from README's field table"
+
+
+def test_kwargs_defaults_and_to_dict(tmp_path):
+    config = make(tmp_path, turbo_logprob_chunk_tokens=256)
+    assert config.turbo_fused_loss is True
+    assert config.turbo_reuse_policy_logps is True
+    assert config.turbo_logprob_chunk_tokens == 256
+    assert config.to_dict()["turbo_logprob_chunk_tokens"] == 256
+    assert "turbo_fused_loss=True" in repr(config)
+
+
+def test_pickle_and_deepcopy_round_trip(tmp_path):
+    config = make(tmp_path, turbo_fused_loss=False)
+    for clone in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+        assert clone.turbo_fused_loss is False
+        assert clone == config
+
+
+def test_hf_argument_parser_cli(tmp_path):
+    parser = HfArgumentParser(GRPOConfig)
+    (config,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true", "--report_to", "none",
+         "--turbo_fused_loss", "false", "--turbo_logprob_chunk_tokens", "512"]
+    )
+    assert config.turbo_fused_loss is False
+    assert config.turbo_logprob_chunk_tokens == 512
+
+
+def test_trl_parser_yaml_and_cli_override(tmp_path):
+    yaml_path = tmp_path / "config.yaml"
+    yaml_path.write_text(
+        f"output_dir: {tmp_path}\nbf16: false\nuse_cpu: true\nreport_to: none\n"
+        "turbo_reuse_policy_logps: false\nturbo_logprob_chunk_tokens: 128\n"
+    )
+    parser = TrlParser((GRPOConfig,))
+    (config,) = parser.parse_args_and_config(["--config", str(yaml_path), "--turbo_logprob_chunk_tokens", "64"])
+    assert config.turbo_reuse_policy_logps is False
+    assert config.turbo_logprob_chunk_tokens == 64
+
+
+def test_unknown_loss_type_fails_at_config_time(tmp_path):
+    with pytest.raises(ValueError, match="Unknown `loss_type='nope'`.*turbo_fused_loss=False"):
+        make(tmp_path, loss_type="nope")
+
+
+def test_unknown_is_mode_fails_at_config_time(tmp_path):
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
+        make(tmp_path, vllm_importance_sampling_mode="token_clip")
+
+
+@pytest.mark.parametrize(
+    "name", ["turbo_offload_checkpoints", "turbo_tiled_mlp", "turbo_vllm_shared_weights", "turbo_vllm_standby",
+             "turbo_liger_layers"]
+)
+def test_features_not_yet_implemented_refuse_to_be_enabled(tmp_path, name):
+    with pytest.raises(NotImplementedError, match=f"`{name}=False`"):
+        make(tmp_path, **{name: True})
+
+
+def test_invalid_numbers_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="turbo_logprob_chunk_tokens"):
+        make(tmp_path, turbo_logprob_chunk_tokens=0)
+    with pytest.raises(ValueError, match="turbo_tiled_mlp_tokens"):
+        make(tmp_path, turbo_tiled_mlp_tokens=0)
+
+
+def test_subclasses_existing_at_import_accept_the_fields(tmp_path):
+    from trl.experimental.gmpo import GMPOConfig
+
+    config = GMPOConfig(output_dir=str(tmp_path), **CPU, turbo_fused_loss=False)
+    assert config.turbo_fused_loss is False
+
+
+def test_stock_trl_still_validates_its_own_fields(tmp_path):
+    with pytest.raises(ValueError):
+        make(tmp_path, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)

@@ -111,3 +111,8 @@ def test_subclasses_existing_at_import_accept_the_fields(tmp_path):
 def test_stock_trl_still_validates_its_own_fields(tmp_path):
     with pytest.raises(ValueError):
         make(tmp_path, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
+
+
+def test_help_texts_survive_argparse_formatting():
+    for turbo_field in TURBO_FIELDS:
+        assert "%" not in turbo_field.metadata["help"], f"argparse would %-format {turbo_field.name}'s help"

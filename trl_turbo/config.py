@@ -69,7 +69,7 @@ class TurboFields:
         default=None,
         metadata={
             "help": "Host (pinned) memory the checkpoint offload may use, in GiB; checkpoints beyond it stay on the "
-            "GPU. None: 80% of available host memory."
+            "GPU. None: 80 percent of available host memory."
         },
     )
     turbo_tiled_mlp: bool = field(

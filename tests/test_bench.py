@@ -1,0 +1,174 @@
+"""CPU tests of the benchmark harness (`python -m trl_turbo.bench`): tiny shapes, schema of the written results.
+
+The numbers measured on CPU mean nothing; what is checked is that every code path of the GPU run (both variants,
+TIS, OOM handling, every loss implementation, JSON/PNG/table writing) executes and writes what the README promises.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_turbo.bench import __main__ as cli
+from trl_turbo.bench import loss, results, train
+from trl_turbo.bench.shapes import LOSS_PRESETS, SHAPES, build_config
+
+TOP_KEYS = {"benchmark", "commit", "dirty", "date", "gpu", "versions", "command", "config", "rows"}
+VERSION_KEYS = {"torch", "transformers", "trl", "peft", "accelerate", "triton", "trl_turbo", "cuda"}
+TRAIN_ROW_KEYS = {"variant", "shape", "micro_batch", "prompt_len", "completion_len", "ok", "peak_gib", "static_gib",
+                  "step_s", "tokens_per_s", "tis"}
+LOSS_ROW_KEYS = {"impl", "hidden", "vocab", "micro_batch", "completion_len", "tokens", "ok", "peak_extra_gib",
+                 "peak_extra_beyond_grad_gib", "fwd_bwd_ms"}
+
+
+def _turbo_available() -> bool:
+    import trl_turbo
+
+    return hasattr(trl_turbo, "patch") and hasattr(trl_turbo, "unpatch")
+
+
+def _fused_logprobs_available() -> bool:
+    try:
+        from trl_turbo.ops import fused_logprobs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_turbo = pytest.mark.skipif(not _turbo_available(), reason="trl_turbo.patch/unpatch not written yet")
+
+
+@pytest.fixture(autouse=True)
+def _restore_patch_state():
+    yield
+    if _turbo_available():
+        import trl_turbo
+
+        trl_turbo.patch()
+
+
+def _load_single(out: Path, benchmark: str) -> dict:
+    files = sorted(out.glob(f"{benchmark}-*.json"))
+    assert len(files) == 1, files
+    assert files[0].with_suffix(".png").stat().st_size > 0
+    data = json.loads(files[0].read_text())
+    assert TOP_KEYS <= data.keys()
+    assert VERSION_KEYS <= data["versions"].keys()
+    assert data["benchmark"] == benchmark and data["gpu"] == "cpu"
+    assert isinstance(data["dirty"], bool) and data["commit"]
+    return data
+
+
+def test_shapes_build_real_configs():
+    llama = build_config("llama-3.1-8b")
+    assert (llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers) == (4096, 14336, 32)
+    assert (llama.num_attention_heads, llama.num_key_value_heads, llama.vocab_size) == (32, 8, 128256)
+    assert llama.max_position_embeddings >= 131072
+    qwen = build_config("qwen2.5-1.5b")
+    assert (qwen.hidden_size, qwen.intermediate_size, qwen.num_hidden_layers) == (1536, 8960, 28)
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads, qwen.vocab_size) == (12, 2, 151936)
+    assert qwen.tie_word_embeddings
+    assert build_config("qwen3-8b").model_type == "qwen3"
+    assert {"tiny", "llama-3.1-8b", "qwen2.5-1.5b", "qwen3-8b"} <= SHAPES.keys()
+    assert LOSS_PRESETS["issue3"] == [(4096, 128256), (1536, 151936)]
+    with pytest.raises(KeyError, match="known shapes"):
+        build_config("nope")
+
+
+@needs_turbo
+@pytest.mark.parametrize("tis", [False, True])
+def test_train_both_variants(tmp_path, tis):
+    lengths = [8, 16] if not tis else [8]  # unsorted on the command line: the benchmark runs them ascending
+    argv = ["train", "--shape", "tiny", "--micro-batch", "2", "--lengths", ",".join(map(str, reversed(lengths))),
+            "--prompt-len", "4", "--out", str(tmp_path), "--device", "cpu"]
+    cli.main(argv + (["--tis"] if tis else []))
+    data = _load_single(tmp_path, "train")
+    assert data["config"]["shape"] == "tiny" and data["config"]["tis"] is tis
+    assert "trl_turbo.bench" in data["command"] or "pytest" in data["command"]
+    rows = data["rows"]
+    assert [(r["variant"], r["completion_len"]) for r in rows] == [(v, n) for v in ("stock", "turbo") for n in lengths]
+    for row in rows:
+        assert TRAIN_ROW_KEYS <= row.keys()
+        assert row["ok"], row["error"]
+        assert row["tis"] is tis and row["step_s"] > 0 and row["tokens_per_s"] > 0
+        assert row["peak_gib"] is None  # no allocator statistics on CPU
+    assert all(r["old_logps_pass"] is tis for r in rows if r["variant"] == "stock")
+    table = results.render_table(tmp_path)
+    assert "### train: tiny on cpu" in table and "turbo/stock step s" in table and "×" in table
+
+
+@needs_turbo
+def test_train_oom_skips_longer_lengths(tmp_path, monkeypatch):
+    real_measure = train.measure
+
+    def measure_or_oom(trainer, inputs, with_old_pass, device, steps):
+        if inputs["completion_ids"].size(1) > 8:
+            raise torch.OutOfMemoryError("simulated")
+        return real_measure(trainer, inputs, with_old_pass, device, steps)
+
+    monkeypatch.setattr(train, "measure", measure_or_oom)
+    cli.main(["train", "--shape", "tiny", "--micro-batch", "2", "--lengths", "8,16,32", "--prompt-len", "4",
+              "--variants", "stock", "--out", str(tmp_path), "--device", "cpu"])
+    rows = _load_single(tmp_path, "train")["rows"]
+    assert [(r["completion_len"], r["ok"], r["error"]) for r in rows] == [(8, True, None), (16, False, "OOM")]
+    assert "OOM" in results.render_table(tmp_path)
+
+
+def test_train_importance_sampling_ratio_matches_trl_modes():
+    class Modes:
+        vllm_importance_sampling_clip_min = None
+        vllm_importance_sampling_clip_max = 3.0
+
+    old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]])
+    sampling = torch.tensor([[-1.5, -2.0], [-0.2, -0.3]])
+    mask = torch.ones(2, 2)
+    trainer = Modes()
+    trainer.vllm_importance_sampling_mode = "sequence_mask"
+    ratio = train.importance_sampling_ratio(trainer, old, sampling, mask)
+    assert ratio.shape == (2, 1)
+    torch.testing.assert_close(ratio[0, 0], torch.exp(torch.tensor(0.5)))
+    assert ratio[1, 0] == pytest.approx(torch.exp(torch.tensor(-1.5)).item())
+    trainer.vllm_importance_sampling_mode = "token_truncate"
+    ratio = train.importance_sampling_ratio(trainer, torch.tensor([[0.0, 5.0]]), torch.zeros(1, 2), torch.ones(1, 2))
+    torch.testing.assert_close(ratio, torch.tensor([[1.0, 3.0]]))
+
+
+def _available_impls() -> list[str]:
+    return ["trl", "liger"] + (["turbo"] if _fused_logprobs_available() else [])
+
+
+def test_loss_benchmark_cpu(tmp_path):
+    impls = _available_impls()
+    cli.main(["loss", "--preset", "tiny", "--micro-batch", "2", "--lengths", "8,16", "--impls", ",".join(impls),
+              "--repeats", "2", "--dtype", "fp32", "--out", str(tmp_path), "--device", "cpu"])
+    data = _load_single(tmp_path, "loss")
+    rows = data["rows"]
+    assert len(rows) == len(LOSS_PRESETS["tiny"]) * 2 * len(impls)
+    for row in rows:
+        assert LOSS_ROW_KEYS <= row.keys()
+        assert row["ok"], row["error"]
+        assert row["tokens"] == row["micro_batch"] * row["completion_len"] and row["fwd_bwd_ms"] > 0
+    table = results.render_table(tmp_path)
+    assert "### loss: tiny on cpu" in table and "| hidden |" in table
+
+
+def test_loss_implementations_agree():
+    """All implementations give the same DAPO loss and hidden-state gradient: the benchmark compares like with like."""
+    inputs = loss.make_inputs(32, 300, 2, 12, torch.float32, torch.device("cpu"))
+    values = {}
+    for impl in _available_impls():
+        inputs["hidden"].grad = None
+        value = loss.LOSS_FNS[impl](inputs["hidden"], inputs["weight"], inputs["targets"], inputs["advantages"], 2)
+        value.backward()
+        values[impl] = (value.detach(), inputs["hidden"].grad.clone())
+    reference = values.pop("trl")
+    for impl, (value, grad) in values.items():
+        torch.testing.assert_close(value, reference[0], rtol=1e-4, atol=1e-6, msg=impl)
+        torch.testing.assert_close(grad, reference[1], rtol=1e-4, atol=1e-6, msg=impl)
+
+
+def test_table_without_results(tmp_path):
+    assert results.render_table(tmp_path) == "_no results_\n"

@@ -1,0 +1,71 @@
+"""Benchmarks of trl_turbo against stock TRL: ``python -m trl_turbo.bench {train,loss,table}``.
+
+Design decision: stock and turbo are measured in ONE process, on the same randomly initialised model and the same
+synthetic inputs, by switching the patch state with ``trl_turbo.unpatch()`` / ``trl_turbo.patch()`` between
+variants, so that the only difference between two rows is the code path. Nothing is downloaded: model shapes are
+config dicts (:mod:`.shapes`) and inputs are random token ids. This module holds the small device helpers that the
+benchmarks share; results are written by :mod:`.results`.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+
+import torch
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``name`` as a device, or CUDA when available and CPU otherwise."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"2048,8192"`` -> ``[2048, 8192]``, sorted ascending (an OOM then skips every longer length)."""
+    return sorted({int(part) for part in text.split(",") if part.strip()})
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_allocated(device: torch.device) -> int | None:
+    """Bytes held by tensors on ``device`` (``None`` off CUDA, where the allocator keeps no statistics)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_allocated(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what dropped references held (e.g. after an OOM) to the device before the next measurement.
+
+    Only device memory is measured, so on CPU this is a no-op (a full ``gc.collect()`` costs ~0.5 s with TRL loaded).
+    """
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def set_patched(enabled: bool) -> None:
+    """Switch TRL between trl_turbo's patches (``True``) and stock code (``False``); fail if the switch did not take."""
+    trl_turbo = importlib.import_module("trl_turbo")
+    if enabled:
+        trl_turbo.patch()
+    else:
+        trl_turbo.unpatch()
+    if trl_turbo.is_patched() != enabled:
+        switch = "patch" if enabled else "unpatch"
+        raise RuntimeError(f"trl_turbo.{switch}() did not take effect (unsupported versions?)")

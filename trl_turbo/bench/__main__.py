@@ -1,0 +1,26 @@
+"""CLI entry point: ``python -m trl_turbo.bench {train,loss,table} ...``.
+
+Design decision: one argparse program with a subcommand per benchmark; each subcommand module owns its arguments
+(``add_parser``) and its ``run``, so adding a benchmark touches only its module and this list.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from . import loss, results, train
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trl_turbo.bench", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    train.add_parser(subparsers)
+    loss.add_parser(subparsers)
+    results.add_table_parser(subparsers)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Named model shapes for the benchmarks.
+
+Design decision: a shape is a plain ``transformers`` config dict (``model_type`` plus sizes), copied from the public
+``config.json`` of the real checkpoint, so a benchmark builds a randomly initialised model with exactly the real
+layer sizes without downloading anything. Only what affects memory and compute is kept (sizes, head layout, vocab,
+tying, RoPE base/scaling); tokenizer and generation fields are left out. ``tiny`` is a toy shape for CPU tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-1.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+# (hidden, vocab) pairs of the LM-head loss benchmark; `issue3` covers an untied 8B head and a tied 1.5B head.
+LOSS_PRESETS: dict[str, list[tuple[int, int]]] = {
+    "issue3": [(4096, 128256), (1536, 151936)],
+    "tiny": [(64, 512), (32, 1000)],
+}
+
+
+def build_config(shape: str) -> Any:
+    """Return the ``PretrainedConfig`` of a named shape (``KeyError`` listing the known names otherwise)."""
+    from transformers import AutoConfig
+
+    if shape not in SHAPES:
+        raise KeyError(f"unknown shape {shape!r}; known shapes: {', '.join(sorted(SHAPES))}")
+    params = dict(SHAPES[shape])
+    return AutoConfig.for_model(params.pop("model_type"), **params)

@@ -1,0 +1,310 @@
+"""``python -m trl_turbo.bench train``: peak memory and time of one GRPO training micro-step, stock TRL vs trl_turbo.
+
+Design decision: the step is driven through the real ``GRPOTrainer.compute_loss`` + ``backward()`` on a synthetic
+batch shaped like the output of ``_generate_and_score_completions`` (random prompt/completion ids, no padding), so
+generation and reward scoring — identical for both variants — are left out, and the measurement is exactly the part
+trl_turbo changes. The model (random init, real shape, bf16, LoRA r=16 on all linear layers, non-reentrant gradient
+checkpointing) is built once, directly on the device; a fresh ``GRPOTrainer`` is built for every (variant, length)
+so TRL's init-time model patching (the fused LM head) runs under the patch state being measured. With ``--tis``, the
+vLLM importance-sampling correction is simulated: stock TRL then needs a no-grad forward for ``old_per_token_logps``
+at generation time, which is counted in the step here, because trl_turbo may skip it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import (
+    free_memory,
+    memory_allocated,
+    parse_lengths,
+    peak_allocated,
+    reset_peak,
+    resolve_device,
+    set_patched,
+    synchronize,
+)
+from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
+from .shapes import SHAPES, build_config
+
+VARIANTS = ("stock", "turbo")
+
+
+def build_model(shape: str, device: torch.device, lora_r: int = 16) -> torch.nn.Module:
+    """Random-init bf16 model of ``shape`` built on ``device``, wrapped in LoRA, in train mode with checkpointing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    lora = LoraConfig(r=lora_r, lora_alpha=lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def _zero_reward(completions: list[Any], **_: Any) -> list[float]:
+    return [0.0] * len(completions)
+
+
+def build_trainer(model: torch.nn.Module, micro_batch: int, completion_len: int, device: torch.device,
+                  output_dir: str, tis: bool) -> Any:
+    """A ``GRPOTrainer`` (DAPO loss, beta 0) around ``model``; with ``tis`` it believes its samples came from vLLM."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_turbo.testing.tokenizer import build_tokenizer
+
+    # TRL wraps `forward` of the base model in an instance attribute; drop the previous trainer's wrapper so that
+    # each trainer patches the plain class forward, as it would in a fresh process.
+    model.get_base_model().__dict__.pop("forward", None)
+    args = GRPOConfig(
+        output_dir=output_dir,
+        beta=0.0,
+        loss_type="dapo",
+        bf16=device.type == "cuda",
+        use_cpu=device.type == "cpu",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        per_device_train_batch_size=micro_batch,
+        num_generations=micro_batch,
+        max_completion_length=completion_len,
+        report_to="none",
+        save_strategy="no",
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=_zero_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["1+1="] * micro_batch}),
+        processing_class=build_tokenizer(),
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    if tis:
+        # Set after construction: `use_vllm=True` in the config would start a vLLM engine
+        trainer.use_vllm = True
+        trainer.vllm_importance_sampling_correction = True
+    return trainer
+
+
+def synthetic_inputs(micro_batch: int, prompt_len: int, completion_len: int, vocab_size: int, device: torch.device,
+                     tis: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch like ``_generate_and_score_completions`` returns, before any old-logps pass; same for every variant."""
+    gen = torch.Generator().manual_seed(seed)
+    batch: dict[str, torch.Tensor] = {
+        "prompt_ids": torch.randint(vocab_size, (micro_batch, prompt_len), generator=gen),
+        "prompt_mask": torch.ones(micro_batch, prompt_len, dtype=torch.long),
+        "completion_ids": torch.randint(vocab_size, (micro_batch, completion_len), generator=gen),
+        "completion_mask": torch.ones(micro_batch, completion_len, dtype=torch.long),
+        "advantages": torch.randn(micro_batch, generator=gen),
+        "num_items_in_batch": torch.tensor(micro_batch * completion_len),
+    }
+    if tis:
+        # Near a random-init model's log-probs (~ -log V); the values steer the IS ratio only, not the work done
+        noise = torch.randn(micro_batch, completion_len, generator=gen)
+        batch["sampling_per_token_logps"] = noise * 0.01 - math.log(vocab_size)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def importance_sampling_ratio(trainer: Any, old_logps: torch.Tensor, sampling_logps: torch.Tensor,
+                              mask: torch.Tensor) -> torch.Tensor:
+    """TRL 1.16's vLLM IS ratio (``_generate_and_score_completions``) for the trainer's mode and clip bounds."""
+    mode = trainer.vllm_importance_sampling_mode
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def old_logps_pass(trainer: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What stock TRL runs at generation time under TIS: a no-grad forward for the old log-probs, then the IS ratio."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+        old, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            input_ids,
+            attention_mask,
+            inputs["completion_ids"].size(1),
+            batch_size=trainer.args.per_device_train_batch_size,
+        )
+        ratio = importance_sampling_ratio(trainer, old, inputs["sampling_per_token_logps"], inputs["completion_mask"])
+    return {"old_per_token_logps": old, "importance_sampling_ratio": ratio}
+
+
+def turbo_needs_old_logps_pass(trainer: Any) -> bool:
+    try:
+        from trl_turbo.patches.trl_trainer import needs_old_logps_forward
+    except ImportError:
+        return True
+    return bool(needs_old_logps_forward(trainer))
+
+
+def train_step(trainer: Any, inputs: dict[str, torch.Tensor], with_old_pass: bool) -> None:
+    """One micro-step as measured: [old-logps pass +] ``compute_loss`` + ``backward``; gradients land in the model."""
+    step_inputs = dict(inputs)
+    if with_old_pass:
+        step_inputs.update(old_logps_pass(trainer, inputs))
+    with trainer.compute_loss_context_manager():
+        loss = trainer.compute_loss(trainer.model, step_inputs)
+    loss.backward()
+
+
+def measure(trainer: Any, inputs: dict[str, torch.Tensor], with_old_pass: bool, device: torch.device,
+            steps: int) -> dict[str, float | None]:
+    """Warm up once, then time ``steps`` micro-steps; peak/static memory of the timed steps (GiB, CUDA only)."""
+    model = trainer.model
+    train_step(trainer, inputs, with_old_pass)
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    static = memory_allocated(device)
+    reset_peak(device)
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        start = time.perf_counter()
+        train_step(trainer, inputs, with_old_pass)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = peak_allocated(device)
+    model.zero_grad(set_to_none=True)
+    return {
+        "peak_gib": None if peak is None else peak / GIB,
+        "static_gib": None if static is None else static / GIB,
+        "step_s": statistics.median(times),
+    }
+
+
+def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: argparse.Namespace,
+               device: torch.device, output_dir: str) -> dict[str, Any]:
+    """Build a trainer for one completion length under the current patch state and measure it; errors become rows."""
+    row: dict[str, Any] = {
+        "variant": variant,
+        "shape": args.shape,
+        "micro_batch": args.micro_batch,
+        "prompt_len": args.prompt_len,
+        "completion_len": completion_len,
+        "tis": args.tis,
+        "ok": False,
+        "error": None,
+        "old_logps_pass": None,
+        "peak_gib": None,
+        "static_gib": None,
+        "step_s": None,
+        "tokens_per_s": None,
+    }
+    try:
+        trainer = build_trainer(model, args.micro_batch, completion_len, device, output_dir, args.tis)
+        inputs = synthetic_inputs(args.micro_batch, args.prompt_len, completion_len, SHAPES[args.shape]["vocab_size"],
+                                  device, args.tis)
+        row["old_logps_pass"] = args.tis and (variant == "stock" or turbo_needs_old_logps_pass(trainer))
+        row.update(measure(trainer, inputs, row["old_logps_pass"], device, args.steps))
+        row["ok"] = True
+        row["tokens_per_s"] = args.micro_batch * (args.prompt_len + completion_len) / row["step_s"]
+    except torch.OutOfMemoryError:
+        row["error"] = "OOM"
+    except Exception as exc:  # recorded, so one broken variant does not lose the rest of a long GPU run
+        traceback.print_exc()
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        model.zero_grad(set_to_none=True)
+    return row
+
+
+def run(args: argparse.Namespace) -> Path:
+    device = resolve_device(args.device)
+    lengths = parse_lengths(args.lengths)
+    variants = [variant.strip() for variant in args.variants.split(",") if variant.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    variants.sort(key=VARIANTS.index)  # stock first: it runs with the patches removed
+    config = {
+        "shape": args.shape,
+        "model_config": SHAPES[args.shape],
+        "micro_batch": args.micro_batch,
+        "prompt_len": args.prompt_len,
+        "lengths": lengths,
+        "variants": variants,
+        "tis": args.tis,
+        "steps": args.steps,
+        "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"},
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "gradient_checkpointing": "non-reentrant",
+        "attn_implementation": "sdpa",
+        "dtype": "bfloat16",
+        "device": str(device),
+    }
+    meta = metadata("train", device, config)
+    torch.manual_seed(0)
+    model = build_model(args.shape, device)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as output_dir:
+        for variant in variants:
+            set_patched(variant == "turbo")
+            for completion_len in lengths:
+                row = run_length(model, variant, completion_len, args, device, output_dir)
+                free_memory(device)  # the trainer, inputs and activations of that length are unreferenced now
+                rows.append(row)
+                print(_format_row(row), flush=True)
+                if not row["ok"]:
+                    break  # longer completions of this variant would fail too
+    path = write(meta, rows, args.shape, Path(args.out), series=_series,
+                 panels=(("peak_gib", "peak memory (GiB)"), ("step_s", "step time (s)")))
+    print(f"wrote {path} (+ .png)")
+    return path
+
+
+def _series(row: dict[str, Any]) -> str:
+    return f"{row['variant']}{' +TIS' if row['tis'] else ''}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    status = "ok" if row["ok"] else row["error"]
+    return (
+        f"{row['variant']:>6} B={row['micro_batch']} P={row['prompt_len']} L={row['completion_len']:>6} "
+        f"tis={int(row['tis'])} old_pass={int(bool(row['old_logps_pass']))} {status:>3}  "
+        f"peak={_fmt(row['peak_gib'], '7.2f')} GiB  static={_fmt(row['static_gib'], '6.2f')} GiB  "
+        f"step={_fmt(row['step_s'], '7.3f')} s  {_fmt(row['tokens_per_s'], '9.0f')} tok/s"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="GRPO micro-step (compute_loss + backward) of a real model shape")
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-step (= num_generations)")
+    parser.add_argument("--lengths", default="2048,8192,20480", help="comma-separated completion lengths")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")
+    parser.add_argument("--tis", action="store_true", help="simulate vLLM importance-sampling correction")
+    parser.add_argument("--steps", type=int, default=1, help="timed micro-steps after the warm-up (median reported)")
+    parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.set_defaults(func=run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib.metadata
+import os
 import json
 import subprocess
 import sys
@@ -71,11 +72,15 @@ def metadata(benchmark: str, device: torch.device, config: dict[str, Any]) -> di
     """Everything that identifies a run, for the top of its JSON file."""
     versions = {name: _version(dist) for name, dist in _DISTRIBUTIONS.items()}
     versions["cuda"] = torch.version.cuda
+    # The GPU machine receives a copy of the working tree without .git: the caller names the commit there
+    # (TRL_TURBO_COMMIT=$(git rev-parse HEAD), set here before sending; dirty only if the tree was).
     status = _git("status", "--porcelain")
+    commit = _git("rev-parse", "HEAD") or os.environ.get("TRL_TURBO_COMMIT", "unknown")
+    dirty = bool(status) if status is not None else os.environ.get("TRL_TURBO_DIRTY", "1") != "0"
     return {
         "benchmark": benchmark,
-        "commit": _git("rev-parse", "HEAD") or "unknown",
-        "dirty": bool(status) if status is not None else True,
+        "commit": commit,
+        "dirty": dirty,
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "versions": versions,

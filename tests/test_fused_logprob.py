@@ -2,17 +2,13 @@
 against an fp64 reference. Low-precision tolerance follows flash-attention: the error of the op against the fp64
 reference may be at most twice that of the naive low-precision computation (+ a tiny floor)."""
 
-import os
+import pytest
+import torch
 
+from trl_turbo.ops import fused_logprobs, reference_logprobs
+from trl_turbo.ops.fused_logprob import _force_backend, _triton_usable
 
-# Must precede the first Triton import so that the kernels are decorated as interpreted functions
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from trl_turbo.ops import fused_logprobs, reference_logprobs  # noqa: E402
-from trl_turbo.ops.fused_logprob import _force_backend, _triton_usable  # noqa: E402
+# conftest.py sets TRITON_INTERPRET=1 on machines without CUDA before Triton is first imported
 
 
 _TRITON_ON_CPU = _triton_usable(torch.device("cpu"))

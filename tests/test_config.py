@@ -97,8 +97,6 @@ def test_features_not_yet_implemented_refuse_to_be_enabled(tmp_path, name):
 def test_invalid_numbers_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="turbo_logprob_chunk_tokens"):
         make(tmp_path, turbo_logprob_chunk_tokens=0)
-    with pytest.raises(ValueError, match="turbo_tiled_mlp_tokens"):
-        make(tmp_path, turbo_tiled_mlp_tokens=0)
 
 
 def test_subclasses_existing_at_import_accept_the_fields(tmp_path):

@@ -65,23 +65,12 @@ class TurboFields:
             "prefetch it back ahead of the backward pass. (Not available yet: lands with issue #4.)"
         },
     )
-    turbo_offload_host_budget_gib: float | None = field(
-        default=None,
-        metadata={
-            "help": "Host (pinned) memory the checkpoint offload may use, in GiB; checkpoints beyond it stay on the "
-            "GPU. None: 80 percent of available host memory."
-        },
-    )
     turbo_tiled_mlp: bool = field(
         default=False,
         metadata={
             "help": "Compute each decoder layer's MLP over token tiles so its working set does not scale with the "
             "micro-batch's token count. (Not available yet: lands with issue #4.)"
         },
-    )
-    turbo_tiled_mlp_tokens: int = field(
-        default=8192,
-        metadata={"help": "Tokens per tile for turbo_tiled_mlp."},
     )
     turbo_vllm_shared_weights: bool = field(
         default=False,
@@ -108,7 +97,6 @@ class TurboFields:
 
 
 TURBO_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(TurboFields)
-_DICT_FIELDS: tuple[str, ...] = ()
 
 
 def validate(args: Any) -> None:
@@ -124,10 +112,6 @@ def validate(args: Any) -> None:
             f"`turbo_logprob_chunk_tokens` must be a positive number of tokens or None, "
             f"got {args.turbo_logprob_chunk_tokens}."
         )
-    if args.turbo_tiled_mlp_tokens < 1:
-        raise ValueError(f"`turbo_tiled_mlp_tokens` must be positive, got {args.turbo_tiled_mlp_tokens}.")
-    if args.turbo_offload_host_budget_gib is not None and args.turbo_offload_host_budget_gib < 0:
-        raise ValueError("`turbo_offload_host_budget_gib` must be >= 0 or None.")
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
         raise ValueError(
             f"Unknown `loss_type={args.loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "

@@ -51,6 +51,9 @@ def base_config_kwargs(output_dir: str, **overrides: Any) -> dict[str, Any]:
         "num_generations": 4,
         "max_completion_length": 8,
         "learning_rate": 1e-2,
+        # SGD keeps parameter updates linear in the gradients; Adam's first step (lr * g / |g|) turns float-level
+        # gradient differences on near-zero entries into lr-sized parameter differences.
+        "optim": "sgd",
         "bf16": False,
         "use_cpu": True,
         "report_to": "none",

@@ -86,8 +86,7 @@ def test_unknown_is_mode_fails_at_config_time(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["turbo_offload_checkpoints", "turbo_tiled_mlp", "turbo_vllm_shared_weights", "turbo_vllm_standby",
-             "turbo_liger_layers"]
+    "name", ["turbo_vllm_shared_weights", "turbo_vllm_standby", "turbo_liger_layers"]
 )
 def test_features_not_yet_implemented_refuse_to_be_enabled(tmp_path, name):
     with pytest.raises(NotImplementedError, match=f"`{name}=False`"):
@@ -97,6 +96,10 @@ def test_features_not_yet_implemented_refuse_to_be_enabled(tmp_path, name):
 def test_invalid_numbers_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="turbo_logprob_chunk_tokens"):
         make(tmp_path, turbo_logprob_chunk_tokens=0)
+    with pytest.raises(ValueError, match="turbo_tiled_mlp_tokens"):
+        make(tmp_path, turbo_tiled_mlp_tokens=0)
+    with pytest.raises(ValueError, match="turbo_offload_host_budget_gib"):
+        make(tmp_path, turbo_offload_host_budget_gib=-1.0)
 
 
 def test_subclasses_existing_at_import_accept_the_fields(tmp_path):

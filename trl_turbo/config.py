@@ -20,8 +20,6 @@ from .losses import LOSS_TYPES, validate_loss_options
 # Features whose implementation has not landed yet: their switch exists (so configs written today keep working), but
 # asking for them raises a clear error instead of silently training without them.
 _PENDING_FEATURES: dict[str, str] = {
-    "turbo_offload_checkpoints": "offloaded gradient checkpointing (trl_turbo issue #4)",
-    "turbo_tiled_mlp": "sequence-tiled MLP (trl_turbo issue #4)",
     "turbo_vllm_shared_weights": "vLLM sharing the training model's weights (trl_turbo issue #5)",
     "turbo_vllm_standby": "vLLM standby that frees only the KV cache (trl_turbo issue #5)",
     "turbo_liger_layers": "Liger's fused RMSNorm/RoPE/SwiGLU layers (trl_turbo issue #8)",
@@ -59,18 +57,31 @@ class TurboFields:
         },
     )
     turbo_offload_checkpoints: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "Offload each decoder layer's gradient-checkpoint input to pinned CPU memory on a side stream and "
-            "prefetch it back ahead of the backward pass. (Not available yet: lands with issue #4.)"
+            "help": "With gradient_checkpointing: each decoder layer's checkpointed input goes to pinned CPU memory on "
+            "a side stream during the forward pass and is prefetched back one layer ahead during the backward "
+            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device."
+        },
+    )
+    turbo_offload_host_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Pinned host memory the checkpoint offload may hold, in GiB. Checkpoints beyond it stay on the "
+            "GPU. None: 80 percent of the host memory available when training starts."
         },
     )
     turbo_tiled_mlp: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "Compute each decoder layer's MLP over token tiles so its working set does not scale with the "
-            "micro-batch's token count. (Not available yet: lands with issue #4.)"
+            "help": "Compute each decoder layer's MLP over token tiles (recomputed per tile in the backward pass), "
+            "so its working set does not grow with the micro-batch's token count. Gradients equal plain MLP's up "
+            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched."
         },
+    )
+    turbo_tiled_mlp_tokens: int = field(
+        default=16384,
+        metadata={"help": "Tokens per tile for turbo_tiled_mlp."},
     )
     turbo_vllm_shared_weights: bool = field(
         default=False,
@@ -111,6 +122,12 @@ def validate(args: Any) -> None:
         raise ValueError(
             f"`turbo_logprob_chunk_tokens` must be a positive number of tokens or None, "
             f"got {args.turbo_logprob_chunk_tokens}."
+        )
+    if args.turbo_tiled_mlp_tokens < 1:
+        raise ValueError(f"`turbo_tiled_mlp_tokens` must be a positive number, got {args.turbo_tiled_mlp_tokens}.")
+    if args.turbo_offload_host_budget_gib is not None and args.turbo_offload_host_budget_gib < 0:
+        raise ValueError(
+            f"`turbo_offload_host_budget_gib` must be >= 0 GiB or None, got {args.turbo_offload_host_budget_gib}."
         )
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
         raise ValueError(

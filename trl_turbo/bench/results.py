@@ -125,10 +125,11 @@ def plot(rows: list[dict[str, Any]], series: Callable[[dict[str, Any]], str], pa
 
 
 def write(meta: dict[str, Any], rows: list[dict[str, Any]], shape: str, out_dir: Path,
-          series: Callable[[dict[str, Any]], str], panels: Iterable[tuple[str, str]]) -> Path:
-    """Write ``<benchmark>-<shape>-<timestamp>.json`` and its PNG into ``out_dir``; return the JSON path."""
+          series: Callable[[dict[str, Any]], str], panels: Iterable[tuple[str, str]], stem: str | None = None) -> Path:
+    """Write ``<benchmark>-<shape>-<timestamp>.json`` (or ``<stem>.json``) and its PNG into ``out_dir``; return the
+    JSON path. Calling it again with the same ``stem`` rewrites both files, so long runs can save after every row."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{meta['benchmark']}-{shape}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    stem = stem or f"{meta['benchmark']}-{shape}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     plot(rows, series, panels, f"{meta['benchmark']} {shape} on {meta['gpu']}", out_dir / f"{stem}.png")

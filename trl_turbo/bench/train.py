@@ -36,7 +36,14 @@ from . import (
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 from .shapes import SHAPES, build_config
 
-VARIANTS = ("stock", "turbo")
+# Config each variant adds to GRPOConfig; stock runs with trl_turbo unpatched. Order matters: each later variant's
+# trainer installs on top of the shared model what the earlier ones did not.
+VARIANT_CONFIG: dict[str, dict[str, Any]] = {
+    "stock": {},
+    "turbo-loss": {"turbo_offload_checkpoints": False, "turbo_tiled_mlp": False},
+    "turbo": {},
+}
+VARIANTS = tuple(VARIANT_CONFIG)
 
 
 def build_model(shape: str, device: torch.device, lora_r: int = 16) -> torch.nn.Module:
@@ -60,7 +67,7 @@ def _zero_reward(completions: list[Any], **_: Any) -> list[float]:
 
 
 def build_trainer(model: torch.nn.Module, micro_batch: int, completion_len: int, device: torch.device,
-                  output_dir: str, tis: bool) -> Any:
+                  output_dir: str, tis: bool, variant_config: dict[str, Any] | None = None) -> Any:
     """A ``GRPOTrainer`` (DAPO loss, beta 0) around ``model``; with ``tis`` it believes its samples came from vLLM."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -83,6 +90,7 @@ def build_trainer(model: torch.nn.Module, micro_batch: int, completion_len: int,
         max_completion_length=completion_len,
         report_to="none",
         save_strategy="no",
+        **(variant_config or {}),
     )
     trainer = GRPOTrainer(
         model=model,
@@ -216,13 +224,20 @@ def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: 
         "tokens_per_s": None,
     }
     try:
-        trainer = build_trainer(model, args.micro_batch, completion_len, device, output_dir, args.tis)
+        trainer = build_trainer(model, args.micro_batch, completion_len, device, output_dir, args.tis,
+                                VARIANT_CONFIG[variant])
         inputs = synthetic_inputs(args.micro_batch, args.prompt_len, completion_len, SHAPES[args.shape]["vocab_size"],
                                   device, args.tis)
         row["old_logps_pass"] = args.tis and (variant == "stock" or turbo_needs_old_logps_pass(trainer))
         row.update(measure(trainer, inputs, row["old_logps_pass"], device, args.steps))
         row["ok"] = True
         row["tokens_per_s"] = args.micro_batch * (args.prompt_len + completion_len) / row["step_s"]
+        runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
+        if runtime is not None and runtime.offloader is not None:
+            stats = runtime.offloader.take_stats()  # summed over warm-up and timed steps
+            row["offloaded_gib"] = stats.offloaded_bytes / GIB
+            row["host_peak_gib"] = stats.host_bytes_peak / GIB
+            row["copy_wait_s"] = stats.wait_s
     except torch.OutOfMemoryError:
         row["error"] = "OOM"
     except Exception as exc:  # recorded, so one broken variant does not lose the rest of a long GPU run
@@ -262,18 +277,20 @@ def run(args: argparse.Namespace) -> Path:
     torch.manual_seed(0)
     model = build_model(args.shape, device)
     rows: list[dict[str, Any]] = []
+    stem = f"train-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
+    panels = (("peak_gib", "peak memory (GiB)"), ("step_s", "step time (s)"))
     with tempfile.TemporaryDirectory() as output_dir:
         for variant in variants:
-            set_patched(variant == "turbo")
+            set_patched(variant != "stock")
             for completion_len in lengths:
                 row = run_length(model, variant, completion_len, args, device, output_dir)
                 free_memory(device)  # the trainer, inputs and activations of that length are unreferenced now
                 rows.append(row)
                 print(_format_row(row), flush=True)
+                # Saved after every row: a run cut short by a time limit keeps what it measured
+                path = write(meta, rows, args.shape, Path(args.out), series=_series, panels=panels, stem=stem)
                 if not row["ok"]:
                     break  # longer completions of this variant would fail too
-    path = write(meta, rows, args.shape, Path(args.out), series=_series,
-                 panels=(("peak_gib", "peak memory (GiB)"), ("step_s", "step time (s)")))
     print(f"wrote {path} (+ .png)")
     return path
 

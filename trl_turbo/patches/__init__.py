@@ -27,11 +27,13 @@ def apply_all() -> bool:
             )
             _warned = True
         return False
-    from . import trl_config, trl_trainer
+    from . import transformers_checkpointing, trl_checkpointing, trl_config, trl_trainer
 
     try:
         trl_config.apply()
         trl_trainer.apply()
+        transformers_checkpointing.apply()
+        trl_checkpointing.apply()
     except BaseException:
         registry.restore_all()
         raise

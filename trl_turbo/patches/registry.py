@@ -3,11 +3,13 @@
 A patch is "set attribute `name` of `owner` to `value`". The registry remembers what was there before (or that
 nothing was), so `restore_all()` puts every original object back in reverse order. Applying the same patch twice is a
 no-op, which is what makes `trl_turbo.patch()` idempotent. No source text of another library is ever read or rewritten.
+Patches on object instances (a model's modules) hold their owner weakly, so the registry never keeps a model alive.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,19 +18,33 @@ _MISSING = object()
 
 @dataclass
 class _Record:
-    owner: Any
+    owner_ref: Any  # the owner, or a weakref to it for instance patches
+    weak: bool
     name: str
     original: Any
     value: Any
 
+    @property
+    def owner(self) -> Any:
+        return self.owner_ref() if self.weak else self.owner_ref
+
 
 _records: list[_Record] = []
+_restore_callbacks: list = []
 lock = threading.RLock()
 
 
-def set_attr(owner: Any, name: str, value: Any) -> None:
-    """Set `owner.name = value`, remembering the original for `restore_all()`."""
+def on_restore(callback) -> None:
+    """Run `callback()` at the next `restore_all()`, before attributes are restored (state kept outside attributes)."""
     with lock:
+        if callback not in _restore_callbacks:
+            _restore_callbacks.append(callback)
+
+
+def set_attr(owner: Any, name: str, value: Any, *, weak: bool = False) -> None:
+    """Set `owner.name = value`, remembering the original for `restore_all()` (`weak`: do not keep `owner` alive)."""
+    with lock:
+        _records[:] = [r for r in _records if r.owner is not None]
         for record in _records:
             if record.owner is owner and record.name == name:
                 if record.value is value:
@@ -36,7 +52,7 @@ def set_attr(owner: Any, name: str, value: Any) -> None:
                 raise RuntimeError(f"trl_turbo: {owner!r}.{name} is already patched with another value")
         original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
         setattr(owner, name, value)
-        _records.append(_Record(owner, name, original, value))
+        _records.append(_Record(weakref.ref(owner) if weak else owner, weak, name, original, value))
 
 
 def original(owner: Any, name: str) -> Any:
@@ -50,8 +66,12 @@ def original(owner: Any, name: str) -> Any:
 
 def restore_all() -> None:
     with lock:
+        while _restore_callbacks:
+            _restore_callbacks.pop()()
         while _records:
             record = _records.pop()
+            if record.owner is None:  # an instance that no longer exists
+                continue
             if record.original is _MISSING:
                 delattr(record.owner, record.name)
             else:

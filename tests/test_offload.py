@@ -1,0 +1,230 @@
+"""Offloaded checkpointing and tiled MLPs: exact gradients, bookkeeping, no leaks across TRL's re-enables."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import trl_turbo
+from trl_turbo.offload import CheckpointOffloader, TiledMLPForward
+from trl_turbo.patches import registry
+from trl_turbo.patches.transformers_checkpointing import CheckpointingRuntime, install_runtime, install_tiled_mlp
+from trl_turbo.testing import parity
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.testing.tokenizer import VOCAB
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _model(arch="llama", layers=4, device="cpu", dtype=torch.float32, seed=0):
+    model = tiny_model(arch, vocab_size=len(VOCAB), layers=layers, dtype=dtype, seed=seed,
+                       tie_word_embeddings=False).to(device)
+    model.train()
+    return model
+
+
+def _grads(model, ids, *, runtime=None, tiled_tokens=None, checkpointing=True):
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if runtime is not None:
+        install_runtime(model, runtime)
+    if tiled_tokens is not None:
+        install_tiled_mlp(model, tiled_tokens)
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_patch_state():
+    yield
+    trl_turbo.unpatch()
+    trl_turbo.patch()
+
+
+def _ids(batch=2, length=24, seed=0):
+    return torch.randint(3, len(VOCAB), (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_offloaded_checkpoint_gradients_are_bitwise_those_of_plain_checkpointing():
+    ids = _ids()
+    stock_loss, stock = _grads(_model(), ids)
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    turbo_loss, turbo = _grads(_model(), ids, runtime=CheckpointingRuntime(offloader))
+    assert torch.equal(stock_loss, turbo_loss)
+    assert stock.keys() == turbo.keys()
+    for name in stock:
+        assert torch.equal(stock[name], turbo[name]), name
+    stats = offloader.take_stats()
+    layer_input_bytes = ids.numel() * 32 * 4  # hidden 32, fp32
+    assert stats.offloaded_bytes == 3 * layer_input_bytes  # 4 layers: the newest input never leaves the device
+    assert stats.blocking_fetches == 0  # every offloaded input was prefetched one layer ahead
+
+
+def test_host_budget_keeps_checkpoints_on_device():
+    offloader = CheckpointOffloader(host_budget_bytes=0, min_bytes=0)
+    _grads(_model(), _ids(), runtime=CheckpointingRuntime(offloader))
+    stats = offloader.take_stats()
+    assert stats.offloaded_bytes == 0 and stats.kept_on_device_bytes > 0
+
+
+def test_host_memory_is_released_after_backward():
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    _grads(_model(), _ids(), runtime=CheckpointingRuntime(offloader))
+    gc.collect()
+    assert offloader._host_bytes == 0
+    assert offloader.take_stats().host_bytes_peak > 0
+
+
+def test_inert_without_grad():
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    model = _model()
+    model.gradient_checkpointing_enable()
+    install_runtime(model, CheckpointingRuntime(offloader))
+    with torch.no_grad():
+        model(_ids())
+    with torch.inference_mode():
+        model(_ids())
+    assert offloader.take_stats().offloaded_bytes == 0
+    assert offloader._newest is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_tiled_mlp_matches_plain_mlp(arch, checkpointing):
+    ids = _ids(batch=2, length=24)
+    stock_loss, stock = _grads(_model(arch), ids, checkpointing=checkpointing)
+    runtime = CheckpointingRuntime(None) if checkpointing else None
+    turbo_loss, turbo = _grads(_model(arch), ids, runtime=runtime, tiled_tokens=7, checkpointing=checkpointing)
+    torch.testing.assert_close(turbo_loss, stock_loss, rtol=1e-6, atol=1e-7)
+    for name in stock:
+        torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_tiled_mlp_leaves_small_inputs_alone():
+    model = _model()
+    install_tiled_mlp(model, 10_000)
+    forward = model.model.layers[0].mlp.forward
+    assert isinstance(forward, TiledMLPForward)
+    x = torch.randn(1, 5, 32)
+    torch.testing.assert_close(forward(x), forward.original(x), rtol=0, atol=0)
+
+
+def test_installation_is_idempotent_and_undone_by_unpatch():
+    model = _model()
+    assert install_tiled_mlp(model, 8) == 4
+    records = len(registry._records)
+    assert install_tiled_mlp(model, 16) == 4
+    assert len(registry._records) == records
+    assert model.model.layers[0].mlp.forward.tile_tokens == 16
+    model.gradient_checkpointing_enable()
+    install_runtime(model, CheckpointingRuntime(None))
+    original = model.model.layers[0]._trl_turbo_original_checkpoint
+    trl_turbo.unpatch()
+    layer = model.model.layers[0]
+    assert "forward" not in layer.mlp.__dict__
+    assert layer._gradient_checkpointing_func is original
+    assert not hasattr(model, "_trl_turbo_checkpointing")
+
+
+def test_repeated_enable_disable_cycles_do_not_leak_hooks_or_change_the_function():
+    """TRL disables and re-enables checkpointing around every generation, with raw kwargs."""
+    model = _model()
+    model.gradient_checkpointing_enable()
+    runtime = CheckpointingRuntime(None)
+    install_runtime(model, runtime)
+    embed = model.get_input_embeddings()
+    for _ in range(5):
+        model.gradient_checkpointing_disable()
+        model.gradient_checkpointing_enable({"use_reentrant": False, "offload": True, "every_n_layers": 1})
+        assert all(layer._gradient_checkpointing_func is runtime.checkpoint for layer in model.model.layers)
+        assert len(embed._forward_hooks) == 1
+    loss, grads = _grads(model, _ids(), checkpointing=False)
+    assert grads and torch.isfinite(loss)
+
+
+def test_trainer_installs_runtime_and_tiles(tmp_path):
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
+                                                             turbo_tiled_mlp_tokens=4), peft=True)
+    base = trainer.model.get_base_model()
+    assert trainer._trl_turbo_checkpointing is base._trl_turbo_checkpointing
+    assert trainer._trl_turbo_checkpointing.offloader is None  # no CUDA device: nothing to offload to
+    assert all(isinstance(layer.mlp.forward, TiledMLPForward) for layer in base.model.layers)
+
+
+def test_trainer_switches_off_install_nothing(tmp_path):
+    trainer = parity.build_trainer(parity.base_config_kwargs(
+        str(tmp_path), gradient_checkpointing=True, turbo_offload_checkpoints=False, turbo_tiled_mlp=False))
+    assert trainer._trl_turbo_checkpointing is None
+    assert not any("forward" in layer.mlp.__dict__ for layer in trainer.model.model.layers)
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_training_with_checkpointing_and_tiles_matches_stock(peft):
+    overrides = {"gradient_checkpointing": True, "max_completion_length": 8}
+    stock = parity.run_training("stock", overrides, steps=2, peft=peft, model_kwargs={"tie_word_embeddings": False})
+    turbo = parity.run_training("turbo", {**overrides, "turbo_tiled_mlp_tokens": 5}, steps=2, peft=peft,
+                                model_kwargs={"tie_word_embeddings": False})
+    parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_gpu_offload_gradients_bitwise_equal(dtype, peft):
+    ids = _ids(batch=4, length=256).cuda()
+
+    def build():
+        model = _model(layers=6, device="cuda", dtype=dtype)
+        if peft:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+            model.enable_input_require_grads()
+        return model
+
+    def grads(model, offloader):
+        base = model.get_base_model() if peft else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if offloader is not None:
+            install_runtime(base, CheckpointingRuntime(offloader))
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    stock = grads(build(), None)
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    turbo = grads(build(), offloader)
+    assert stock.keys() == turbo.keys() and stock
+    for name in stock:
+        assert torch.equal(stock[name], turbo[name]), name
+    assert offloader.take_stats().offloaded_bytes > 0
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_stream_race_long_kernels_do_not_corrupt_offloaded_inputs():
+    """Slow the compute stream down (torch.cuda._sleep) around every layer so that a copy that started too early,
+    or a buffer freed/reused before its copy finished, would corrupt the recomputed activations."""
+    ids = _ids(batch=4, length=256).cuda()
+    reference_model = _model(layers=6, device="cuda")
+    reference_model.gradient_checkpointing_enable()
+    reference_model(ids, labels=ids).loss.backward()
+    reference = {n: p.grad.clone() for n, p in reference_model.named_parameters()}
+
+    model = _model(layers=6, device="cuda")
+    model.gradient_checkpointing_enable()
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    install_runtime(model, CheckpointingRuntime(offloader))
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda *_: torch.cuda._sleep(50_000_000))
+        layer.register_full_backward_hook(lambda *_: torch.cuda._sleep(50_000_000))
+    model(ids, labels=ids).loss.backward()
+    for name, grad in reference.items():
+        assert torch.equal(model.get_parameter(name).grad, grad), name
+    assert offloader.take_stats().offloaded_bytes > 0

@@ -1,0 +1,274 @@
+"""Gradient checkpointing whose saved layer inputs live in host memory between the forward and backward passes.
+
+Design: one `torch.autograd.Function` per checkpointed layer call, reentrant style, so it owns exactly what is
+saved. It keeps the layer's positional input and runs the layer under no_grad; the backward pass recomputes the
+layer with grad and backpropagates through it. This is the same arithmetic as `torch.utils.checkpoint`.
+
+Where the saved input lives is decided by `CheckpointOffloader`:
+- Forward pass. The newest layer input stays on the device. When the next layer's call arrives, the previous one is
+  copied to pinned host memory on a side stream (`d2h`), so the copy overlaps the next layer's compute. Its device
+  memory returns to the allocator once the copy completes (`record_stream`). The last layer's input therefore never
+  leaves the device, and it is the first one the backward pass needs.
+- Backward pass. When layer i's backward starts, layer i−1's input is prefetched on another side stream (`h2d`).
+  It arrives while layer i recomputes and backpropagates. At most two layer inputs are on the device at once.
+- Budget. Host bytes are capped (`host_budget_bytes`); inputs beyond the cap stay on the device. If pinned
+  allocation fails, pageable memory is used, with one warning.
+- Without a device (CPU tensors) the same bookkeeping runs with synchronous copies, so tests exercise it.
+
+The host and device copies are bitwise identical, so gradients are exactly those of plain checkpointing. Under
+no_grad or inference mode the layer runs directly; nothing is saved or copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_recomputing: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_turbo_recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed layer is being recomputed for its backward pass (its output values are unused)."""
+    return _recomputing.get()
+
+
+@dataclass
+class OffloadStats:
+    """Per training step: what moved, what stayed, and how long the compute stream waited for copies."""
+
+    offloaded_bytes: int = 0
+    kept_on_device_bytes: int = 0
+    host_bytes_peak: int = 0
+    blocking_fetches: int = 0
+    wait_s: float = 0.0
+
+
+class _Slot:
+    """One saved layer input: on the device, on the host, or back on the device."""
+
+    __slots__ = ("device_tensor", "host_tensor", "prev", "produced", "arrived", "nbytes", "consumed", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, prev: _Slot | None, produced: torch.cuda.Event | None) -> None:
+        self.device_tensor: torch.Tensor | None = tensor
+        self.host_tensor: torch.Tensor | None = None
+        self.prev = prev
+        self.produced = produced
+        self.arrived: torch.cuda.Event | None = None
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.consumed = False
+
+
+class CheckpointOffloader:
+    """Moves saved layer inputs to host memory and back, one layer ahead of the backward pass."""
+
+    def __init__(self, host_budget_bytes: int, *, min_bytes: int = 1 << 20) -> None:
+        self.host_budget_bytes = host_budget_bytes
+        self.min_bytes = min_bytes
+        self.stats = OffloadStats()
+        self._host_bytes = 0
+        self._newest: _Slot | None = None
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._warned_pageable = False
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def save(self, tensor: torch.Tensor) -> _Slot:
+        """Take ownership of a layer input; the previously saved input (if still waiting) goes to the host now."""
+        cuda = tensor.is_cuda
+        produced = None
+        if cuda:
+            produced = torch.cuda.Event()
+            produced.record()
+        newest = self._newest
+        prev = newest if newest is not None and not newest.consumed else None
+        slot = _Slot(tensor, prev, produced)
+        if prev is not None and prev.device_tensor is not None and prev.host_tensor is None:
+            self._to_host(prev)
+        self._newest = slot
+        return slot
+
+    def _to_host(self, slot: _Slot) -> None:
+        tensor = slot.device_tensor
+        if slot.nbytes < self.min_bytes or self._host_bytes + slot.nbytes > self.host_budget_bytes:
+            self.stats.kept_on_device_bytes += slot.nbytes
+            return
+        host = self._allocate_host(tensor)
+        if tensor.is_cuda:
+            d2h, _ = self._side_streams(tensor.device)
+            d2h.wait_event(slot.produced)
+            with torch.cuda.stream(d2h):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(d2h)  # its memory is reused only after the copy has finished
+        else:
+            host.copy_(tensor)
+        slot.host_tensor, slot.device_tensor = host, None
+        self._host_bytes += slot.nbytes
+        self.stats.offloaded_bytes += slot.nbytes
+        self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self._host_bytes)
+        weakref.finalize(host, self._release_host_bytes, slot.nbytes)
+
+    def _release_host_bytes(self, nbytes: int) -> None:
+        self._host_bytes -= nbytes
+
+    def _allocate_host(self, like: torch.Tensor) -> torch.Tensor:
+        if like.is_cuda:
+            try:
+                return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            except RuntimeError as error:  # pinned memory exhausted: pageable still works, with blocking copies
+                if not self._warned_pageable:
+                    warnings.warn(
+                        f"trl_turbo: pinned host memory ran out ({error}); offloading the remaining checkpoints to "
+                        "pageable memory, whose copies do not overlap compute. Lower "
+                        "`turbo_offload_host_budget_gib` to keep more checkpoints on the GPU instead.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    self._warned_pageable = True
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    # ----------------------------------------------------------------------------------------------- backward
+    def load(self, slot: _Slot) -> torch.Tensor:
+        """The saved input of a layer whose backward pass starts now; prefetches the layer before it."""
+        if slot is self._newest:
+            self._newest = None
+        if slot.device_tensor is None:
+            self.stats.blocking_fetches += 1
+            self._to_device(slot)
+        tensor = slot.device_tensor
+        if slot.arrived is not None:
+            self._wait(slot.arrived)
+        if slot.prev is not None and slot.prev.device_tensor is None and not slot.prev.consumed:
+            self._to_device(slot.prev)  # overlaps this layer's recompute and backward
+        slot.device_tensor = slot.host_tensor = slot.prev = None
+        slot.consumed = True
+        return tensor
+
+    def _to_device(self, slot: _Slot) -> None:
+        host = slot.host_tensor
+        device = slot.produced.device if slot.produced is not None else None
+        if device is None or device.type != "cuda":
+            slot.device_tensor = host.clone()
+            return
+        _, h2d = self._side_streams(device)
+        with torch.cuda.stream(h2d):
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
+            tensor.copy_(host, non_blocking=True)
+            slot.arrived = torch.cuda.Event()
+            slot.arrived.record(h2d)
+        tensor.record_stream(torch.cuda.current_stream(device))
+        slot.device_tensor = tensor
+
+    def _wait(self, event: torch.cuda.Event) -> None:
+        stream = torch.cuda.current_stream()
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._waits.append((before, after))
+
+    def _side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+    def take_stats(self) -> OffloadStats:
+        """Return the statistics gathered since the last call and start a new window (synchronises timing events)."""
+        stats, self.stats = self.stats, OffloadStats()
+        for before, after in self._waits:
+            after.synchronize()
+            stats.wait_s += before.elapsed_time(after) / 1000.0
+        self._waits.clear()
+        stats.host_bytes_peak = max(stats.host_bytes_peak, self._host_bytes)
+        self.stats.host_bytes_peak = self._host_bytes
+        return stats
+
+
+@contextlib.contextmanager
+def _recompute_state(cpu_rng: torch.Tensor, device_rng: tuple[torch.device, torch.Tensor] | None,
+                     autocast: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    devices = [device_rng[0]] if device_rng is not None else []
+    with torch.random.fork_rng(devices=devices, enabled=True), contextlib.ExitStack() as stack:
+        torch.set_rng_state(cpu_rng)
+        if device_rng is not None:
+            torch.cuda.set_rng_state(device_rng[1], device_rng[0])
+        for device_type, enabled, dtype in autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        token = _recomputing.set(True)
+        try:
+            yield
+        finally:
+            _recomputing.reset(token)
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function: Callable, offloader: CheckpointOffloader | None, _force_grad: torch.Tensor,
+                hidden: torch.Tensor, *args: Any) -> Any:
+        ctx.run_function = run_function
+        ctx.offloader = offloader
+        ctx.hidden_requires_grad = hidden.requires_grad
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.device_rng = (hidden.device, torch.cuda.get_rng_state(hidden.device)) if hidden.is_cuda else None
+        ctx.autocast = _autocast_state()
+        tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.tensor_positions = tensor_positions
+        ctx.other_args = [None if i in tensor_positions else a for i, a in enumerate(args)]
+        ctx.save_for_backward(*(args[i] for i in tensor_positions))
+        ctx.slot = offloader.save(hidden) if offloader is not None else hidden
+        with torch.no_grad():
+            return run_function(hidden, *args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if ctx.slot is None:
+            raise RuntimeError("trl_turbo checkpoint: backward ran twice; retain_graph=True is not supported")
+        hidden = ctx.offloader.load(ctx.slot) if ctx.offloader is not None else ctx.slot
+        ctx.slot = None
+        args = list(ctx.other_args)
+        for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[position] = tensor.detach().requires_grad_(tensor.requires_grad)
+        hidden = hidden.detach().requires_grad_(ctx.hidden_requires_grad)
+        with _recompute_state(ctx.cpu_rng, ctx.device_rng, ctx.autocast), torch.enable_grad():
+            outputs = ctx.run_function(hidden, *args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad
+                 and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        arg_grads = [args[i].grad if i in ctx.tensor_positions else None for i in range(len(args))]
+        return (None, None, None, hidden.grad if ctx.hidden_requires_grad else None, *arg_grads)
+
+
+# A leaf that requires grad, passed to every checkpoint call so its output joins the autograd graph even when no
+# input requires grad (frozen embeddings with trainable adapters inside the layer); one per device.
+_force_grad_leaves: dict[torch.device, torch.Tensor] = {}
+
+
+def _force_grad_leaf(device: torch.device) -> torch.Tensor:
+    if device not in _force_grad_leaves:
+        _force_grad_leaves[device] = torch.empty(0, device=device, requires_grad=True)
+    return _force_grad_leaves[device]
+
+
+def offloaded_checkpoint(offloader: CheckpointOffloader | None) -> Callable[..., Any]:
+    """A `_gradient_checkpointing_func` for transformers' GradientCheckpointingLayer (called as f(function, *args))."""
+
+    def checkpoint(function: Callable, *args: Any, **_ignored: Any) -> Any:
+        if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]):
+            return function(*args)
+        hidden = args[0]
+        return _OffloadedCheckpoint.apply(function, offloader, _force_grad_leaf(hidden.device), hidden, *args[1:])
+
+    checkpoint.__trl_turbo_offloader__ = offloader
+    return checkpoint

@@ -1,0 +1,121 @@
+"""Patches of transformers' gradient checkpointing: trl_turbo's checkpoint function, tiled MLPs, no hook leaks.
+
+Seams:
+- `PreTrainedModel._set_gradient_checkpointing` is where every enable lands. That includes `Trainer.train()` and
+  the re-enables TRL performs around each generation and no-grad pass (with raw kwargs that break transformers'
+  own `offload` option). After the original, a model that carries a `CheckpointingRuntime` (attached by the
+  GRPOTrainer patch) gets trl_turbo's checkpoint function on each decoder layer. The layer's own function is kept
+  for `unpatch()`.
+- `PreTrainedModel.enable_input_require_grads` registers a new embedding hook on every call and forgets the old
+  handles, so TRL's re-enables pile up one hook per generation. The wrapper removes the previous hooks first.
+- Tiled MLPs are installed per module instance through the registry, which holds those modules weakly.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..offload import CheckpointOffloader, TiledMLPForward, offloaded_checkpoint
+from . import registry
+
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_configured: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass
+class CheckpointingRuntime:
+    """What a model's checkpointed layers use: the offloader (None: inputs stay on the device) and its function."""
+
+    offloader: CheckpointOffloader | None
+
+    def __post_init__(self) -> None:
+        self.checkpoint = offloaded_checkpoint(self.offloader)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
+    """Attach `runtime` to `model`; its checkpointed layers use it now and after every later enable."""
+    model._trl_turbo_checkpointing = runtime
+    _configured.add(model)
+    _use_runtime_in_layers(model, runtime)
+
+
+def _use_runtime_in_layers(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
+    for layer in _decoder_layers(model):
+        current = layer.__dict__.get("_gradient_checkpointing_func")
+        if current is None or current is runtime.checkpoint:
+            continue
+        layer._trl_turbo_original_checkpoint = current
+        layer._gradient_checkpointing_func = runtime.checkpoint
+
+
+def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
+    """Tile every dense gated MLP of `model`'s decoder layers (idempotent; `trl_turbo.unpatch()` undoes it)."""
+    count = 0
+    for layer in _decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, name) for name in _MLP_PROJECTIONS):
+            continue
+        current = mlp.__dict__.get("forward")
+        if isinstance(current, TiledMLPForward):
+            current.tile_tokens = tile_tokens
+        else:
+            feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
+            registry.set_attr(mlp, "forward", TiledMLPForward(mlp.forward, tile_tokens, feeds_residual), weak=True)
+        count += 1
+    return count
+
+
+def _wrap_set_gradient_checkpointing(original):
+    @functools.wraps(original)
+    def _set_gradient_checkpointing(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        runtime = getattr(self, "_trl_turbo_checkpointing", None)
+        if runtime is not None:
+            _use_runtime_in_layers(self, runtime)
+        return result
+
+    return _set_gradient_checkpointing
+
+
+def _wrap_enable_input_require_grads(original):
+    @functools.wraps(original)
+    def enable_input_require_grads(self):
+        self.disable_input_require_grads()
+        return original(self)
+
+    return enable_input_require_grads
+
+
+def _detach_all_models() -> None:
+    """On unpatch: configured models go back to the checkpoint function transformers gave them."""
+    for model in list(_configured):
+        for layer in _decoder_layers(model):
+            original = layer.__dict__.pop("_trl_turbo_original_checkpoint", None)
+            if original is not None:
+                layer._gradient_checkpointing_func = original
+        model.__dict__.pop("_trl_turbo_checkpointing", None)
+    _configured.clear()
+
+
+def apply() -> None:
+    from transformers import PreTrainedModel
+
+    registry.set_attr(
+        PreTrainedModel, "_set_gradient_checkpointing",
+        _wrap_set_gradient_checkpointing(PreTrainedModel.__dict__["_set_gradient_checkpointing"]),
+    )
+    registry.set_attr(
+        PreTrainedModel, "enable_input_require_grads",
+        _wrap_enable_input_require_grads(PreTrainedModel.__dict__["enable_input_require_grads"]),
+    )
+    registry.on_restore(_detach_all_models)

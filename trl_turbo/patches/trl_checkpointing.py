@@ -1,0 +1,92 @@
+"""GRPOTrainer side of offloaded checkpointing and tiled MLPs: set them up on the model, report their traffic.
+
+Seams: `GRPOTrainer.__init__` (after TRL's own, the model gets its `CheckpointingRuntime` and tiled MLPs; transformers'
+patched `_set_gradient_checkpointing` then keeps trl_turbo's checkpoint function in place across every enable) and
+`GRPOTrainer.training_step` (after each micro-step, the offload statistics go into TRL's metrics as `offload/*`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from ..offload import CheckpointOffloader
+from . import registry
+from .transformers_checkpointing import CheckpointingRuntime, install_runtime, install_tiled_mlp
+
+_GIB = 2**30
+_HOST_BUDGET_FRACTION = 0.8
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); elsewhere the OS's count of available pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def configure(trainer: Any) -> CheckpointingRuntime | None:
+    """Install trl_turbo's checkpointing on the trainer's model per its GRPOConfig; None when nothing applies."""
+    args = trainer.args
+    offload = bool(getattr(args, "turbo_offload_checkpoints", False))
+    tiled = bool(getattr(args, "turbo_tiled_mlp", False))
+    if not args.gradient_checkpointing or not (offload or tiled):
+        return None
+    model = _base_model(trainer.model)
+    offloader = None
+    if offload and next(model.parameters()).is_cuda:
+        budget_gib = args.turbo_offload_host_budget_gib
+        budget = int(budget_gib * _GIB) if budget_gib is not None else int(_HOST_BUDGET_FRACTION * available_host_bytes())
+        offloader = CheckpointOffloader(budget)
+    runtime = CheckpointingRuntime(offloader)
+    install_runtime(model, runtime)
+    if tiled:
+        install_tiled_mlp(model, args.turbo_tiled_mlp_tokens)
+    return runtime
+
+
+def _wrap_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._trl_turbo_checkpointing = configure(self)
+
+    return __init__
+
+
+def _wrap_training_step(original):
+    @functools.wraps(original)
+    def training_step(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        runtime = getattr(self, "_trl_turbo_checkpointing", None)
+        if runtime is not None and runtime.offloader is not None:
+            stats = runtime.offloader.take_stats()
+            metrics = self._metrics["train"]
+            metrics["offload/offloaded_gib"].append(stats.offloaded_bytes / _GIB)
+            metrics["offload/kept_on_device_gib"].append(stats.kept_on_device_bytes / _GIB)
+            metrics["offload/host_peak_gib"].append(stats.host_bytes_peak / _GIB)
+            metrics["offload/copy_wait_s"].append(stats.wait_s)
+            metrics["offload/blocking_fetches"].append(float(stats.blocking_fetches))
+        return loss
+
+    return training_step
+
+
+def apply() -> None:
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    registry.set_attr(GRPOTrainer, "__init__", _wrap_init(GRPOTrainer.__dict__["__init__"]))
+    registry.set_attr(GRPOTrainer, "training_step", _wrap_training_step(GRPOTrainer.__dict__["training_step"]))

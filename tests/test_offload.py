@@ -172,59 +172,99 @@ def test_training_with_checkpointing_and_tiles_matches_stock(peft):
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
+def _gpu_model(dtype, peft):
+    model = _model(layers=6, device="cuda", dtype=dtype)
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+        model.enable_input_require_grads()
+    return model
+
+
+def _gpu_grads(model, ids, offloader, peft):
+    base = model.get_base_model() if peft else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    install_runtime(base, CheckpointingRuntime(offloader))
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _SlowCopies(CheckpointOffloader):
+    """Queues ~50 ms of sleep on the copy streams before every copy: a consumer that does not wait for its copy, or
+    memory freed/reused while a copy still reads it, then shows up as corrupted gradients."""
+
+    def _side_streams(self, device):
+        streams = super()._side_streams(device)
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(50_000_000)
+        return streams
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_gpu_offload_gradients_bitwise_equal(dtype, peft):
+@pytest.mark.parametrize("offloader_cls", [CheckpointOffloader, _SlowCopies], ids=["streams", "slow-copies"])
+def test_gpu_offload_gradients_bitwise_equal(dtype, peft, offloader_cls):
+    """Offload on vs off (same checkpoint function, inputs kept on the device): bitwise equal gradients."""
     ids = _ids(batch=4, length=256).cuda()
-
-    def build():
-        model = _model(layers=6, device="cuda", dtype=dtype)
-        if peft:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
-            model.enable_input_require_grads()
-        return model
-
-    def grads(model, offloader):
-        base = model.get_base_model() if peft else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if offloader is not None:
-            install_runtime(base, CheckpointingRuntime(offloader))
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    stock = grads(build(), None)
-    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
-    turbo = grads(build(), offloader)
-    assert stock.keys() == turbo.keys() and stock
-    for name in stock:
-        assert torch.equal(stock[name], turbo[name]), name
-    assert offloader.take_stats().offloaded_bytes > 0
+    on_device = _gpu_grads(_gpu_model(dtype, peft), ids, None, peft)
+    offloader = offloader_cls(host_budget_bytes=1 << 40, min_bytes=0)
+    offloaded = _gpu_grads(_gpu_model(dtype, peft), ids, offloader, peft)
+    assert on_device.keys() == offloaded.keys() and on_device
+    for name in on_device:
+        assert torch.equal(on_device[name], offloaded[name]), name
+    stats = offloader.take_stats()
+    assert stats.offloaded_bytes > 0 and stats.blocking_fetches == 0
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_stream_race_long_kernels_do_not_corrupt_offloaded_inputs():
-    """Slow the compute stream down (torch.cuda._sleep) around every layer so that a copy that started too early,
-    or a buffer freed/reused before its copy finished, would corrupt the recomputed activations."""
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_gpu_offloaded_checkpoint_matches_torch_checkpoint(peft):
+    """Against torch.utils.checkpoint (non-reentrant), only the summation order of gradients may differ."""
     ids = _ids(batch=4, length=256).cuda()
-    reference_model = _model(layers=6, device="cuda")
-    reference_model.gradient_checkpointing_enable()
-    reference_model(ids, labels=ids).loss.backward()
-    reference = {n: p.grad.clone() for n, p in reference_model.named_parameters()}
-
-    model = _model(layers=6, device="cuda")
-    model.gradient_checkpointing_enable()
-    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
-    install_runtime(model, CheckpointingRuntime(offloader))
-    for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda *_: torch.cuda._sleep(50_000_000))
-        layer.register_full_backward_hook(lambda *_: torch.cuda._sleep(50_000_000))
+    model = _gpu_model(torch.float32, peft)
+    base = model.get_base_model() if peft else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model(ids, labels=ids).loss.backward()
-    for name, grad in reference.items():
-        assert torch.equal(model.get_parameter(name).grad, grad), name
-    assert offloader.take_stats().offloaded_bytes > 0
+    stock = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    turbo = _gpu_grads(_gpu_model(torch.float32, peft), ids, offloader, peft)
+    for name in stock:
+        torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------- lean norms
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_norm_matches_the_original_norm(arch, dtype):
+    from trl_turbo.patches.transformers_checkpointing import install_lean_norms
+
+    model = _model(arch, layers=1, dtype=dtype)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms
+    x = torch.randn(3, 5, norms[0].weight.shape[0], dtype=dtype, requires_grad=True)
+    with torch.no_grad():
+        norms[0].weight.uniform_(0.5, 1.5)
+    reference = norms[0](x)
+    (reference * torch.linspace(-1, 1, reference.shape[-1], dtype=dtype)).sum().backward()
+    ref_gx, ref_gw = x.grad.clone(), norms[0].weight.grad.clone()
+    x.grad = None
+    norms[0].weight.grad = None
+    assert install_lean_norms(model) == len(norms)
+    out = norms[0](x)
+    assert torch.equal(out, reference)  # the same forward operations
+    (out * torch.linspace(-1, 1, out.shape[-1], dtype=dtype)).sum().backward()
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(x.grad, ref_gx, **tol)
+    torch.testing.assert_close(norms[0].weight.grad, ref_gw, **tol)
+
+
+def test_lean_norms_skip_other_norm_formulas():
+    from trl_turbo.patches.transformers_checkpointing import install_lean_norms
+
+    assert install_lean_norms(_model("gemma")) == 0  # gemma scales by (1 + weight): left alone

@@ -211,7 +211,7 @@ def test_generation_gate_is_held_off_only_during_generation():
 
 def test_switches_off_is_bitwise_stock():
     stock = parity.run_training("stock", steps=2)
-    off = parity.run_training("turbo", {"turbo_fused_loss": False, "turbo_reuse_policy_logps": False}, steps=2)
+    off = parity.run_training("turbo", parity.ALL_FEATURES_OFF, steps=2)
     for a, b in zip(stock, off, strict=True):
         assert a.loss == b.loss
         for name in a.grads:

@@ -83,6 +83,14 @@ class TurboFields:
         default=16384,
         metadata={"help": "Tokens per tile for turbo_tiled_mlp."},
     )
+    turbo_lean_norms: bool = field(
+        default=True,
+        metadata={
+            "help": "Llama-style RMSNorms (llama, qwen2, qwen3, mistral) keep only their input and one fp32 scalar "
+            "per token for the backward pass instead of fp32 copies of the activations; the forward output is "
+            "bitwise the same, gradients equal up to rounding."
+        },
+    )
     turbo_vllm_shared_weights: bool = field(
         default=False,
         metadata={

@@ -1,6 +1,14 @@
-"""Memory for long sequences: gradient-checkpoint inputs kept in host memory, and token-tiled MLPs (pure torch)."""
+"""Memory for long sequences: checkpoint inputs in host memory, token-tiled MLPs, lean RMSNorms (pure torch)."""
 
 from .checkpoint import CheckpointOffloader, OffloadStats, is_recomputing, offloaded_checkpoint
+from .lean_norm import LeanRMSNormForward
 from .tiled_mlp import TiledMLPForward
 
-__all__ = ["CheckpointOffloader", "OffloadStats", "TiledMLPForward", "is_recomputing", "offloaded_checkpoint"]
+__all__ = [
+    "CheckpointOffloader",
+    "LeanRMSNormForward",
+    "OffloadStats",
+    "TiledMLPForward",
+    "is_recomputing",
+    "offloaded_checkpoint",
+]

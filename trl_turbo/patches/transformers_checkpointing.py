@@ -8,7 +8,8 @@ Seams:
   for `unpatch()`.
 - `PreTrainedModel.enable_input_require_grads` registers a new embedding hook on every call and forgets the old
   handles, so TRL's re-enables pile up one hook per generation. The wrapper removes the previous hooks first.
-- Tiled MLPs are installed per module instance through the registry, which holds those modules weakly.
+- Tiled MLPs and lean RMSNorms are installed per module instance through the registry, which holds those modules
+  weakly.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..offload import CheckpointOffloader, TiledMLPForward, offloaded_checkpoint
+from ..offload import CheckpointOffloader, LeanRMSNormForward, TiledMLPForward, offloaded_checkpoint
 from . import registry
 
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# RMSNorm classes computing `weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`; tests check each
+# against its original on every supported transformers version (gemma's `1 + weight` form is not among them).
+LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 _configured: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -72,6 +76,17 @@ def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
             feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
             registry.set_attr(mlp, "forward", TiledMLPForward(mlp.forward, tile_tokens, feeds_residual), weak=True)
         count += 1
+    return count
+
+
+def install_lean_norms(model: torch.nn.Module) -> int:
+    """Give every Llama-style RMSNorm of `model` the lean backward (idempotent; `trl_turbo.unpatch()` undoes it)."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in LEAN_NORM_CLASSES and hasattr(module, "variance_epsilon"):
+            if not isinstance(module.__dict__.get("forward"), LeanRMSNormForward):
+                registry.set_attr(module, "forward", LeanRMSNormForward(module), weak=True)
+            count += 1
     return count
 
 

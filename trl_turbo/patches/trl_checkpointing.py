@@ -15,7 +15,7 @@ import torch
 
 from ..offload import CheckpointOffloader
 from . import registry
-from .transformers_checkpointing import CheckpointingRuntime, install_runtime, install_tiled_mlp
+from .transformers_checkpointing import CheckpointingRuntime, install_lean_norms, install_runtime, install_tiled_mlp
 
 _GIB = 2**30
 _HOST_BUDGET_FRACTION = 0.8
@@ -39,18 +39,21 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def configure(trainer: Any) -> CheckpointingRuntime | None:
-    """Install trl_turbo's checkpointing on the trainer's model per its GRPOConfig; None when nothing applies."""
+    """Install trl_turbo's lean norms and checkpointing on the trainer's model per its GRPOConfig; returns the
+    checkpointing runtime, None when checkpointing is off or neither offload nor tiling is wanted."""
     args = trainer.args
+    model = _base_model(trainer.model)
+    if getattr(args, "turbo_lean_norms", False):
+        install_lean_norms(model)
     offload = bool(getattr(args, "turbo_offload_checkpoints", False))
     tiled = bool(getattr(args, "turbo_tiled_mlp", False))
     if not args.gradient_checkpointing or not (offload or tiled):
         return None
-    model = _base_model(trainer.model)
     offloader = None
     if offload and next(model.parameters()).is_cuda:
         budget_gib = args.turbo_offload_host_budget_gib
-        budget = int(budget_gib * _GIB) if budget_gib is not None else int(_HOST_BUDGET_FRACTION * available_host_bytes())
-        offloader = CheckpointOffloader(budget)
+        host_bytes = available_host_bytes() * _HOST_BUDGET_FRACTION if budget_gib is None else budget_gib * _GIB
+        offloader = CheckpointOffloader(int(host_bytes))
     runtime = CheckpointingRuntime(offloader)
     install_runtime(model, runtime)
     if tiled:

@@ -43,6 +43,16 @@ def patch_state(variant: str) -> Iterator[None]:
             trl_turbo.unpatch()
 
 
+# Every trl_turbo switch off: the patched trainer must then be stock TRL, bit for bit.
+ALL_FEATURES_OFF: dict[str, Any] = {
+    "turbo_fused_loss": False,
+    "turbo_reuse_policy_logps": False,
+    "turbo_offload_checkpoints": False,
+    "turbo_tiled_mlp": False,
+    "turbo_lean_norms": False,
+}
+
+
 def base_config_kwargs(output_dir: str, **overrides: Any) -> dict[str, Any]:
     """Small, CPU-friendly GRPOConfig arguments shared by the parity tests."""
     kwargs: dict[str, Any] = {

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .losses import LOSS_TYPES, validate_loss_options
+from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, validate_loss_options
 
 # Features whose implementation has not landed yet: their switch exists (so configs written today keep working), but
 # asking for them raises a clear error instead of silently training without them.
@@ -55,6 +55,44 @@ class TurboFields:
             "help": "Tokens per LM-head tile in the fused kernel (one [tokens, vocab] tile lives at a time). None "
             "picks ~256 MiB tiles. Lower it to trade speed for memory."
         },
+    )
+    turbo_dual_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dual-clip PPO (Ye et al., arXiv 1912.09729): for tokens with A < 0 the clipped objective is "
+            "bounded by c*A, i.e. loss = min(max(-r*A, -clip(r)*A), -c*A), so a huge ratio on a bad token cannot "
+            "dominate the update. c > 1 (the paper uses 3). Only for loss types with PPO-style ratio clipping "
+            "(grpo, bnpo, dr_grpo, dapo, luspo, gppo, clip_cov). None disables it."
+        },
+    )
+    turbo_clip_cov_ratio: float = field(
+        default=2e-4,
+        metadata={
+            "help": "loss_type='clip_cov' (Clip-Cov, Cui et al., arXiv 2505.22617): fraction of the micro-batch's "
+            "valid tokens whose gradient is detached, drawn at random (seeded by the run seed and step) among the "
+            "tokens with covariance (A - mean A)*(logp - mean logp) in (turbo_clip_cov_lb, turbo_clip_cov_ub). "
+            "Paper default 2e-4."
+        },
+    )
+    turbo_clip_cov_lb: float = field(
+        default=1.0,
+        metadata={"help": "loss_type='clip_cov' (arXiv 2505.22617): lower covariance bound of the candidates (1)."},
+    )
+    turbo_clip_cov_ub: float = field(
+        default=5.0,
+        metadata={"help": "loss_type='clip_cov' (arXiv 2505.22617): upper covariance bound of the candidates (5)."},
+    )
+    turbo_kl_cov_ratio: float = field(
+        default=2e-3,
+        metadata={
+            "help": "loss_type='kl_cov' (KL-Cov, Cui et al., arXiv 2505.22617): fraction of the micro-batch's valid "
+            "tokens, those of largest covariance (A - mean A)*(logp - mean logp), that get the penalty "
+            "turbo_kl_cov_coef*|log r| added to the unclipped -r*A. Paper default 2e-3 (2e-4 for 32B models)."
+        },
+    )
+    turbo_kl_cov_coef: float = field(
+        default=1.0,
+        metadata={"help": "loss_type='kl_cov' (arXiv 2505.22617): coefficient of the |log r| penalty (paper: 1)."},
     )
     turbo_offload_checkpoints: bool = field(
         default=True,
@@ -141,6 +179,31 @@ def validate(args: Any) -> None:
         raise ValueError(
             f"Unknown `loss_type={args.loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "
             "Pick one of these, or set `turbo_fused_loss=False` to hand the value to stock TRL."
+        )
+    turbo_only = [
+        f"`{name}={value!r}`"
+        for name, value, known in (
+            ("loss_type", args.loss_type, TURBO_LOSS_TYPES),
+            ("vllm_importance_sampling_mode", args.vllm_importance_sampling_mode, TURBO_IS_MODES),
+        )
+        if value in known
+    ]
+    if turbo_only and not args.turbo_fused_loss:
+        raise ValueError(
+            f"{' and '.join(turbo_only)}: only trl_turbo's loss implements this (stock TRL does not know it), and "
+            "`turbo_fused_loss=False` switches that loss off. Set `turbo_fused_loss=True` or pick one of TRL's values."
+        )
+    if (
+        args.vllm_importance_sampling_mode in TURBO_IS_MODES
+        and args.use_vllm
+        and args.vllm_importance_sampling_correction
+        and not args.turbo_reuse_policy_logps
+    ):
+        raise ValueError(
+            f"`vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}` is computed inside trl_turbo's "
+            "loss, from the old-policy log-probs where TRL computes them (num_iterations > 1 or generation "
+            "misaligned with optimizer steps) and from the training forward otherwise, so it needs "
+            "`turbo_reuse_policy_logps=True`."
         )
     if args.turbo_fused_loss:
         validate_loss_options(args)

@@ -11,6 +11,12 @@ differentiates it; the kernel only needs d(loss)/d(logp) and d(loss)/d(entropy) 
 
 Semantics follow TRL 1.16's `GRPOTrainer._compute_loss` and its generation-time IS ratio operation by operation
 (including the order of clamps), so that a patched trainer reproduces stock TRL's loss and gradients.
+
+Beyond TRL (issue #6), the same spec defines loss types and IS modes that only trl_turbo's loss can run
+(`TURBO_LOSS_TYPES`, `TURBO_IS_MODES`): GMPO (the objective of TRL's experimental `GMPOTrainer._compute_loss`, term
+for term), Clip-Cov / KL-Cov (verl's selection semantics), GPPO, plain REINFORCE, a dual-clip bound for the
+ratio-clipping families, and geometric-mean sequence IS modes. The random Clip-Cov subset is drawn from a generator
+seeded by the caller (`LossInputs.seed`), so a given (seed, step) selects the same tokens on every run and rank.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ LOSS_FAMILY: dict[str, str] = {
     "cispo": "cispo",
     "sapo": "sapo",
     "vespo": "vespo",
+    "gmpo": "gmpo",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
+    "gppo": "gppo",
+    "reinforce": "reinforce",
 }
 LOSS_REDUCTION: dict[str, str] = {
     "grpo": "sequence_mean",
@@ -41,10 +52,25 @@ LOSS_REDUCTION: dict[str, str] = {
     "cispo": "global_token_mean",
     "vespo": "global_token_mean",
     "luspo": "sequence_sum",
+    # GMPO's per-sequence term is (B, 1): its sequence mean is the plain mean over sequences GMPOTrainer takes
+    "gmpo": "sequence_mean",
+    "clip_cov": "global_token_mean",
+    "kl_cov": "global_token_mean",
+    "gppo": "global_token_mean",
+    "reinforce": "global_token_mean",
 }
 LOSS_TYPES: tuple[str, ...] = tuple(LOSS_FAMILY)
+# Loss types TRL's own `_compute_loss` does not know: they run only through trl_turbo's loss.
+TURBO_LOSS_TYPES: tuple[str, ...] = ("gmpo", "clip_cov", "kl_cov", "gppo", "reinforce")
+# Families that clip the ratio PPO-style (min of unclipped and clipped terms): the ones a dual-clip bound applies to.
+RATIO_CLIP_FAMILIES: tuple[str, ...] = ("clip", "gppo", "clip_cov")
+# Loss types that define their own use of the per-token ratio and so need importance_sampling_level="token".
+TOKEN_LEVEL_ONLY: tuple[str, ...] = ("gmpo", "clip_cov", "kl_cov", "reinforce")
 IS_LEVELS: tuple[str, ...] = ("token", "sequence")
-IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TRL_IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# IS modes TRL's generation-time code does not know: the ratio is computed only in trl_turbo's loss.
+TURBO_IS_MODES: tuple[str, ...] = ("sequence_geometric_truncate", "sequence_geometric_mask")
+IS_MODES: tuple[str, ...] = TRL_IS_MODES + TURBO_IS_MODES
 
 
 @dataclass(frozen=True)
@@ -69,6 +95,12 @@ class LossSpec:
     vllm_is_mode: str = "sequence_mask"
     vllm_is_clip_min: float | None = None
     vllm_is_clip_max: float | None = 3.0
+    dual_clip: float | None = None
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
 
     @property
     def family(self) -> str:
@@ -101,22 +133,110 @@ class LossSpec:
             vllm_is_mode=trainer.vllm_importance_sampling_mode,
             vllm_is_clip_min=trainer.vllm_importance_sampling_clip_min,
             vllm_is_clip_max=trainer.vllm_importance_sampling_clip_max,
+            dual_clip=args.turbo_dual_clip,
+            clip_cov_ratio=args.turbo_clip_cov_ratio,
+            clip_cov_lb=args.turbo_clip_cov_lb,
+            clip_cov_ub=args.turbo_clip_cov_ub,
+            kl_cov_ratio=args.turbo_kl_cov_ratio,
+            kl_cov_coef=args.turbo_kl_cov_coef,
         )
+
+    def ratio_clip_bounds(self) -> tuple[float, float]:
+        """The ratio range outside which a token counts as clipped (GMPO clips in log space: exp(±ε))."""
+        if self.family == "gmpo":
+            return math.exp(-self.epsilon_low), math.exp(self.epsilon_high)
+        return 1 - self.epsilon_low, 1 + self.epsilon_high
 
 
 def validate_loss_options(args: Any) -> None:
-    """Config-time checks for combinations the loss spec cannot honour (clear errors instead of mid-step crashes)."""
+    """Config-time checks for combinations the loss spec cannot honour (clear errors instead of mid-step crashes).
+    Reads TRL's fields and the `turbo_*` loss fields of `trl_turbo.config`."""
     if args.importance_sampling_level not in IS_LEVELS:
         raise ValueError(
             f"Unknown `importance_sampling_level={args.importance_sampling_level!r}`; use one of {IS_LEVELS}."
         )
-    if args.vllm_importance_sampling_mode not in IS_MODES:
+    mode = args.vllm_importance_sampling_mode
+    if mode not in IS_MODES:
+        raise ValueError(f"Unknown `vllm_importance_sampling_mode={mode!r}`; use one of {IS_MODES}.")
+    if (
+        args.vllm_importance_sampling_correction
+        and mode == "sequence_geometric_truncate"
+        and args.vllm_importance_sampling_clip_min is None
+        and args.vllm_importance_sampling_clip_max is None
+    ):
         raise ValueError(
-            f"Unknown `vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}`; use one of {IS_MODES}."
+            "`vllm_importance_sampling_mode='sequence_geometric_truncate'` needs at least one of "
+            "`vllm_importance_sampling_clip_min` / `vllm_importance_sampling_clip_max`."
         )
+    loss_type = args.loss_type
+    if loss_type not in LOSS_FAMILY:  # unknown names are reported by trl_turbo.config.validate
+        return
+    family = LOSS_FAMILY[loss_type]
+    if loss_type in TOKEN_LEVEL_ONLY and args.importance_sampling_level != "token":
+        raise ValueError(
+            f"`loss_type={loss_type!r}` defines its own use of the per-token ratio; it needs "
+            f"`importance_sampling_level='token'`, got {args.importance_sampling_level!r}."
+        )
+    if (
+        loss_type == "gmpo"
+        and args.use_vllm
+        and args.vllm_importance_sampling_correction
+        and not mode.startswith("sequence")
+    ):
+        raise ValueError(
+            "`loss_type='gmpo'` has one importance weight per sequence, so its vLLM IS correction must be "
+            f"sequence-level: use a `sequence_*` `vllm_importance_sampling_mode`, got {mode!r}."
+        )
+    if loss_type == "reinforce" and args.num_iterations != 1:
+        raise ValueError(
+            "`loss_type='reinforce'` is on-policy (no ratio, no clipping), so it needs `num_iterations=1`, got "
+            f"{args.num_iterations}. Use a ratio-clipping loss type (e.g. 'dapo') for several updates per batch."
+        )
+    dual_clip = args.turbo_dual_clip
+    if dual_clip is not None:
+        if family not in RATIO_CLIP_FAMILIES:
+            clipping = sorted(t for t, f in LOSS_FAMILY.items() if f in RATIO_CLIP_FAMILIES)
+            raise ValueError(
+                f"`turbo_dual_clip` bounds the clipped ratio term of negative-advantage tokens, but "
+                f"`loss_type={loss_type!r}` has no PPO-style ratio clipping. Use it with one of {clipping}, or "
+                "set `turbo_dual_clip=None`."
+            )
+        if not dual_clip > 1.0:
+            raise ValueError(f"`turbo_dual_clip` must be > 1 (the paper uses 3), got {dual_clip}.")
+    for name in ("turbo_clip_cov_ratio", "turbo_kl_cov_ratio"):
+        value = getattr(args, name)
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"`{name}` is a fraction of tokens in (0, 1], got {value}.")
+    if not args.turbo_clip_cov_lb < args.turbo_clip_cov_ub:
+        raise ValueError(
+            f"`turbo_clip_cov_lb` ({args.turbo_clip_cov_lb}) must be smaller than `turbo_clip_cov_ub` "
+            f"({args.turbo_clip_cov_ub})."
+        )
+    if args.turbo_kl_cov_coef < 0:
+        raise ValueError(f"`turbo_kl_cov_coef` must be >= 0, got {args.turbo_kl_cov_coef}.")
 
 
 # ----------------------------------------------------------------------------------------------- importance sampling
+def raw_importance_sampling_ratio(
+    trainer_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str
+) -> torch.Tensor:
+    """The ratio π_trainer / π_sampler at `mode`'s level, before truncation or masking: (B, T) for token modes,
+    (B, 1) for sequence modes (exp of the summed token log-ratios, or of their mean for `sequence_geometric_*`, as in
+    verl's rollout correction)."""
+    per_token_logps_diff = (trainer_logps - sampling_logps) * mask
+    # Tokens the sampler could not score (NaN) get ratio 1 rather than NaN
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    elif mode in TURBO_IS_MODES:
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    elif mode in ("token_mask", "token_truncate"):
+        logps_diff = per_token_logps_diff
+    else:
+        raise ValueError(f"Unknown vLLM importance sampling mode: {mode!r}; use one of {IS_MODES}.")
+    return torch.exp(logps_diff)
+
+
 def vllm_importance_sampling_ratio(
     trainer_logps: torch.Tensor,
     sampling_logps: torch.Tensor,
@@ -127,21 +247,65 @@ def vllm_importance_sampling_ratio(
 ) -> torch.Tensor:
     """Truncated/masked IS ratio between the trainer's and the sampler's log-probs: (B, T) for token modes, (B, 1)
     for sequence modes. No gradient flows through it (callers pass detached log-probs)."""
-    per_token_logps_diff = (trainer_logps - sampling_logps) * mask
-    # Tokens the sampler could not score (NaN) get ratio 1 rather than NaN
-    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
-    if mode in ("sequence_mask", "sequence_truncate"):
-        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
-    else:
-        logps_diff = per_token_logps_diff
-    ratio = torch.exp(logps_diff)
-    if mode in ("sequence_truncate", "token_truncate"):
+    ratio = raw_importance_sampling_ratio(trainer_logps, sampling_logps, mask, mode)
+    if mode.endswith("truncate"):
         return torch.clamp(ratio, min=clip_min, max=clip_max)
-    if mode in ("sequence_mask", "token_mask"):
-        min_val = clip_min if clip_min is not None else -math.inf
-        max_val = clip_max if clip_max is not None else math.inf
-        return ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
-    raise ValueError(f"Unknown vLLM importance sampling mode: {mode!r}; use one of {IS_MODES}.")
+    return ratio.masked_fill(_outside(ratio, clip_min, clip_max), value=0.0)
+
+
+def _outside(ratio: torch.Tensor, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    min_val = clip_min if clip_min is not None else -math.inf
+    max_val = clip_max if clip_max is not None else math.inf
+    return (ratio < min_val) | (ratio > max_val)
+
+
+@torch.no_grad()
+def importance_sampling_diagnostics(
+    trainer_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> dict[str, torch.Tensor]:
+    """This process's raw trainer/sampler ratio statistics, before truncation or masking, as scalars keyed by metric
+    name (to go under `sampling/`). Names ending in /min and /max are reduced by min/max across processes, the rest
+    by mean. `sampler_trainer_kl` is the k3 estimate of KL(sampler ‖ trainer) per token, mean(r − 1 − log r) with
+    r = π_trainer/π_sampler on the sampled tokens (non-negative, unbiased)."""
+    valid = mask.bool() & ~torch.isnan(sampling_logps)
+    rows = mask.sum(-1) > 0
+    dtype = torch.promote_types(trainer_logps.dtype, torch.float32)
+    zero = trainer_logps.new_zeros((), dtype=dtype)
+    stats: dict[str, torch.Tensor] = {}
+
+    def describe(name: str, values: torch.Tensor) -> None:
+        values = values.to(dtype)
+        has = values.numel() > 0
+        stats[f"{name}/mean"] = values.mean() if has else zero
+        stats[f"{name}/min"] = values.min() if has else zero
+        stats[f"{name}/max"] = values.max() if has else zero
+        stats[f"{name}/p95"] = torch.quantile(values, 0.95, interpolation="higher") if has else zero
+
+    level_ratio = {}
+    for name, level in (
+        ("raw_importance_sampling_ratio", "token_mask"),
+        ("raw_sequence_importance_sampling_ratio", "sequence_mask"),
+        ("raw_geometric_sequence_importance_sampling_ratio", "sequence_geometric_mask"),
+    ):
+        ratio = raw_importance_sampling_ratio(trainer_logps, sampling_logps, mask, level)
+        units = ratio[valid] if level == "token_mask" else ratio[rows]
+        describe(name, units)
+        level_ratio[level] = units
+    level = "token_mask" if mode.startswith("token") else "sequence_geometric_mask" if mode in TURBO_IS_MODES else (
+        "sequence_mask"
+    )
+    outside = _outside(level_ratio[level], clip_min, clip_max).to(dtype)
+    kind = "truncated" if mode.endswith("truncate") else "masked"
+    stats[f"is_{kind}_fraction"] = outside.mean() if outside.numel() > 0 else zero
+    log_r = (trainer_logps - sampling_logps)[valid].to(dtype)
+    k3 = torch.exp(log_r) - log_r - 1
+    stats["sampler_trainer_kl"] = k3.mean() if k3.numel() > 0 else zero
+    return stats
 
 
 def off_policy_sequence_mask(
@@ -185,6 +349,65 @@ def vespo_gamma_weights(
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def gmpo_sequence_ratio(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> torch.Tensor:
+    """GMPO's (B, 1) importance weight: the geometric mean of the token ratios, each clipped in log space to
+    [−ε_low, ε_high] on the side PPO's min would clip (sign-aware, one-sided), i.e. exp(masked mean of the clipped
+    log-ratios)."""
+    clamped = torch.clamp(log_ratio, min=-epsilon_low, max=epsilon_high)
+    clipped = torch.where(advantages > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))
+    log_weight = (clipped * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return torch.exp(log_weight)
+
+
+def _token_covariance(per_token_logps: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per-token centred product (A − mean A)·(log π − mean log π), means over this micro-batch's valid tokens."""
+    logps = per_token_logps.detach()
+    adv = advantages.detach().expand_as(logps)
+    return (adv - adv[valid].mean()) * (logps - logps[valid].mean())
+
+
+@torch.no_grad()
+def clip_cov_selection(
+    per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clipped: torch.Tensor,
+    ratio: float,
+    lb: float,
+    ub: float,
+    seed: int,
+) -> torch.Tensor:
+    """Clip-Cov's (B, T) bool selection: max(1, ⌊ratio·N⌋) tokens drawn uniformly (seeded) among the valid,
+    not-already-clipped tokens whose covariance lies strictly in (lb, ub); N = valid tokens of the micro-batch."""
+    valid = mask.bool()
+    selected = torch.zeros_like(valid)
+    if not valid.any():
+        return selected
+    cov = _token_covariance(per_token_logps, advantages, valid)
+    candidates = (valid & ~clipped & (cov > lb) & (cov < ub)).flatten().nonzero().squeeze(1)
+    count = min(max(int(ratio * valid.sum().item()), 1), candidates.numel())
+    order = torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(seed))
+    selected.view(-1)[candidates[order[:count].to(candidates.device)]] = True
+    return selected
+
+
+@torch.no_grad()
+def kl_cov_selection(
+    per_token_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ratio: float
+) -> torch.Tensor:
+    """KL-Cov's (B, T) bool selection: the max(1, ⌊ratio·N⌋) valid tokens of largest covariance."""
+    valid = mask.bool()
+    selected = torch.zeros_like(valid)
+    if not valid.any():
+        return selected
+    cov = _token_covariance(per_token_logps, advantages, valid).masked_fill(~valid, -math.inf)
+    count = max(int(ratio * valid.sum().item()), 1)
+    selected.view(-1)[torch.topk(cov.flatten(), count).indices] = True
+    return selected
+
+
 # ----------------------------------------------------------------------------------------------------- the loss
 @dataclass
 class LossInputs:
@@ -198,6 +421,7 @@ class LossInputs:
     sampling_per_token_logps: torch.Tensor | None = None
     importance_sampling_ratio: torch.Tensor | None = None
     entropy_mask: torch.Tensor | None = None
+    seed: int = 0  # seeds the random token subset of clip_cov; callers derive it from (run seed, step)
 
 
 @dataclass
@@ -219,6 +443,8 @@ class LossOutput:
     coef_1: torch.Tensor  # the (possibly delta-capped) ratio, for clip metrics
     per_token_kl: torch.Tensor | None
     phi_seq: torch.Tensor | None
+    cov_selected: torch.Tensor | None = None  # (B, T) bool: clip_cov's detached / kl_cov's penalised tokens
+    dual_clipped: torch.Tensor | None = None  # (B, T) bool: tokens held at the dual-clip bound
 
 
 def grpo_loss(spec: LossSpec, batch: LossInputs, norm: Normalizers) -> LossOutput:
@@ -246,23 +472,51 @@ def grpo_loss(spec: LossSpec, batch: LossInputs, norm: Normalizers) -> LossOutpu
         raise ValueError(f"Unknown importance sampling level: {spec.importance_sampling_level}")
     coef_1 = torch.exp(log_importance_weights)
 
+    family = spec.family
     per_token_kl = None
     if spec.beta != 0.0:
         ref = batch.ref_per_token_logps
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
-        if spec.use_bias_correction_kl:
+        if spec.use_bias_correction_kl and family != "gmpo":  # GMPOTrainer's KL has no bias correction
             per_token_kl = per_token_kl * coef_1
 
-    phi_seq = None
-    family = spec.family
+    phi_seq = cov_selected = dual_clipped = None
+    entropy_mask = batch.entropy_mask
     if family == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=spec.epsilon_high).detach()
         per_token_loss = -clamped_ratios * advantages * per_token_logps
-    elif family == "clip":
+    elif family in RATIO_CLIP_FAMILIES:
         coef_2 = torch.clamp(coef_1, 1 - spec.epsilon_low, 1 + spec.epsilon_high)
+        if family == "gppo":
+            # GPPO: the clipped term keeps the clipped value but its gradient is clip(r)·∇log r, not 0
+            coef_2 = coef_2.detach() * torch.exp(log_importance_weights - log_importance_weights.detach())
+        if family == "clip_cov":
+            clipped = coef_2 * advantages < coef_1 * advantages  # PPO's min picks the clipped term: no gradient
+            cov_selected = clip_cov_selection(
+                per_token_logps, advantages, mask, clipped, spec.clip_cov_ratio, spec.clip_cov_lb,
+                spec.clip_cov_ub, batch.seed,
+            )
         if spec.delta is not None:
             coef_1 = torch.clamp(coef_1, max=spec.delta)
         per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        if spec.dual_clip is not None:
+            dual_bound = -spec.dual_clip * advantages
+            dual_clipped = (advantages < 0) & (per_token_loss > dual_bound)
+            per_token_loss = torch.where(dual_clipped, dual_bound, per_token_loss)
+        if cov_selected is not None:
+            per_token_loss = per_token_loss * ~cov_selected
+    elif family == "gmpo":
+        # The entropy mask acts inside GMPO's geometric mean (as in GMPOTrainer), not on the sequence term
+        seq_mask = mask if entropy_mask is None else mask * entropy_mask
+        entropy_mask = None
+        per_token_loss = -gmpo_sequence_ratio(
+            log_ratio, advantages, seq_mask, spec.epsilon_low, spec.epsilon_high
+        ) * advantages
+    elif family == "kl_cov":
+        cov_selected = kl_cov_selection(per_token_logps, advantages, mask, spec.kl_cov_ratio)
+        per_token_loss = -coef_1 * advantages + spec.kl_cov_coef * cov_selected * log_ratio.abs()
+    elif family == "reinforce":
+        per_token_loss = -advantages * per_token_logps
     elif family == "sapo":
         temperatures = torch.where(advantages > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
         per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
@@ -283,15 +537,23 @@ def grpo_loss(spec: LossSpec, batch: LossInputs, norm: Normalizers) -> LossOutpu
 
     if spec.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
-    if batch.entropy_mask is not None:
-        per_token_loss = per_token_loss * batch.entropy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
     if spec.vllm_is_correction and family != "vespo":
         per_token_loss = per_token_loss * batch.importance_sampling_ratio
     if spec.beta != 0.0:
         per_token_loss = per_token_loss + spec.beta * per_token_kl
 
     loss, policy_loss = reduce_loss(spec, per_token_loss, mask, norm)
-    return LossOutput(loss=loss, policy_loss=policy_loss, coef_1=coef_1, per_token_kl=per_token_kl, phi_seq=phi_seq)
+    return LossOutput(
+        loss=loss,
+        policy_loss=policy_loss,
+        coef_1=coef_1,
+        per_token_kl=per_token_kl,
+        phi_seq=phi_seq,
+        cov_selected=cov_selected,
+        dual_clipped=dual_clipped,
+    )
 
 
 def reduce_loss(

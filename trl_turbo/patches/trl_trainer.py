@@ -10,10 +10,15 @@ Seams (all looked up by TRL at call time, so setting them is enough; nothing of 
   entropy is wanted at all (TRL's old/ref passes compute it and throw it away).
 - `GRPOTrainer._compute_loss`: replaced by the same computation built from `trl_turbo.losses` (the single loss spec);
   the entropy gradient is skipped in the kernel unless the entropy bonus is on.
-- `GRPOTrainer._generate_and_score_completions`: when the old-policy log-probs are provably the training forward's
-  own (num_iterations == 1, generation aligned with the optimizer step), TRL's vLLM-IS gate is held off for the
-  duration of the call so it skips that whole extra forward; the loss then computes the IS ratio from the training
-  forward's detached log-probs (same formula, `losses.vllm_importance_sampling_ratio`) and logs TRL's sampling metrics.
+- `GRPOTrainer._generate_and_score_completions`: TRL's vLLM-IS gate is held off for the duration of the call when
+  the old-policy log-probs are provably the training forward's own (num_iterations == 1, generation aligned with the
+  optimizer step), so TRL skips that whole extra forward, and whenever the IS mode is one TRL does not know
+  (`losses.TURBO_IS_MODES`), so TRL's generation-time IS code never sees it. TRL still runs the old-log-prob forward
+  when it needs it for its own reason (generation misaligned with optimizer steps). Whenever TRL produced no IS ratio,
+  the loss computes it (same formula, `losses.vllm_importance_sampling_ratio`) from the old-policy log-probs when
+  present, else from the training forward's detached log-probs, and logs TRL's sampling metrics. The raw ratio
+  diagnostics (`losses.importance_sampling_diagnostics`) are logged from the loss on every step, whoever computed
+  the ratio.
 
 Each replaced method consults `args.turbo_*` on every call, so with the switches off the trainer is stock TRL.
 """
@@ -62,14 +67,25 @@ def reuses_policy_logps(trainer: Any) -> bool:
     return bool(aligned and trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
+def holds_is_gate(trainer: Any) -> bool:
+    """Whether TRL's generation-time vLLM IS code is switched off for a generation call (the loss takes it over)."""
+    if reuses_policy_logps(trainer):
+        return True
+    return bool(
+        fused_loss_enabled(trainer)
+        and trainer.use_vllm
+        and trainer.vllm_importance_sampling_correction
+        and trainer.vllm_importance_sampling_mode in losses.TURBO_IS_MODES
+    )
+
+
 def needs_old_logps_forward(trainer: Any) -> bool:
     """Whether a generation step runs the extra no-grad forward for old-policy log-probs (TRL's rule, minus reuse)."""
     args = trainer.args
     generate_every = args.steps_per_generation * trainer.num_iterations
-    stock = args.gradient_accumulation_steps % generate_every != 0 or (
-        trainer.use_vllm and trainer.vllm_importance_sampling_correction
-    )
-    return bool(stock and not reuses_policy_logps(trainer))
+    misaligned = args.gradient_accumulation_steps % generate_every != 0
+    is_gate = trainer.use_vllm and trainer.vllm_importance_sampling_correction and not holds_is_gate(trainer)
+    return bool(misaligned or is_gate)
 
 
 class FusedLogProbAdapter:
@@ -145,7 +161,7 @@ def _wrap_get_per_token_logps(original):
 def _wrap_generate_and_score(original):
     @functools.wraps(original)
     def _generate_and_score_completions(self, inputs):
-        if not reuses_policy_logps(self):
+        if not holds_is_gate(self):
             return original(self, inputs)
         # TRL reads this instance attribute to decide on the old-logps forward and the IS ratio; the loss takes
         # both over (see module docstring). Restored even if generation raises.
@@ -196,6 +212,22 @@ def _log_sampling_metrics(trainer: Any, mode: str, trainer_logps, sampling_logps
     )
 
 
+def _log_raw_sampling_metrics(trainer: Any, mode: str, stats: dict[str, torch.Tensor]) -> None:
+    """`losses.importance_sampling_diagnostics` across processes: min of /min, max of /max, mean of the rest."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    metrics = trainer._metrics[mode]
+    for name, value in stats.items():
+        gathered = trainer.accelerator.gather(value.detach().float().reshape(1))
+        if name.endswith("/min"):
+            reduced = nanmin(gathered)
+        elif name.endswith("/max"):
+            reduced = nanmax(gathered)
+        else:
+            reduced = gathered.nanmean()
+        metrics[f"sampling/{name}"].append(reduced.item())
+
+
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -238,21 +270,20 @@ def _turbo_compute_loss(self, model, inputs):
     mode = "train" if self.model.training else "eval"
     spec = losses.LossSpec.from_trainer(self)
     importance_sampling_ratio = inputs.get("importance_sampling_ratio")
-    if spec.vllm_is_correction and importance_sampling_ratio is None:
-        # Reused policy log-probs (see _generate_and_score_completions): the ratio comes from this very forward.
+    if spec.vllm_is_correction:
+        # The policy at generation time: TRL's old-policy log-probs when it computed them, else (reused, see
+        # _generate_and_score_completions) this very forward's.
         sampling = inputs["sampling_per_token_logps"]
-        trainer_logps = per_token_logps.detach()
-        importance_sampling_ratio = losses.vllm_importance_sampling_ratio(
-            trainer_logps,
-            sampling,
-            mask,
-            spec.vllm_is_mode,
-            spec.vllm_is_clip_min,
-            spec.vllm_is_clip_max,
-        )
-        _log_sampling_metrics(
-            self, mode, trainer_logps, sampling, importance_sampling_ratio, mask, spec.vllm_is_mode.startswith("seq")
-        )
+        old = inputs.get("old_per_token_logps")
+        trainer_logps = per_token_logps.detach() if old is None else old
+        is_args = (trainer_logps, sampling, mask, spec.vllm_is_mode, spec.vllm_is_clip_min, spec.vllm_is_clip_max)
+        if importance_sampling_ratio is None:
+            importance_sampling_ratio = losses.vllm_importance_sampling_ratio(*is_args)
+            _log_sampling_metrics(
+                self, mode, trainer_logps, sampling, importance_sampling_ratio, mask,
+                spec.vllm_is_mode.startswith("seq"),
+            )
+        _log_raw_sampling_metrics(self, mode, losses.importance_sampling_diagnostics(*is_args))
 
     batch = losses.LossInputs(
         per_token_logps=per_token_logps,
@@ -263,6 +294,8 @@ def _turbo_compute_loss(self, model, inputs):
         sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
         importance_sampling_ratio=importance_sampling_ratio,
         entropy_mask=entropy_mask,
+        # Clip-Cov's random subset: the same on every rank and rerun for a given (seed, micro-step)
+        seed=self.args.seed * 1_000_003 + self._step,
     )
     training = mode == "train"
     accumulation = self.current_gradient_accumulation_steps if training else 1.0
@@ -315,9 +348,10 @@ def _turbo_compute_loss(self, model, inputs):
         metrics["kl"].append(global_masked_mean(out.per_token_kl))
     metrics["entropy"].append(global_masked_mean(entropies))
     coef_1 = out.coef_1
-    if spec.family == "clip":
-        is_low_clipped = (coef_1 < 1 - spec.epsilon_low) & (advantages < 0)
-        is_high_clipped = (coef_1 > 1 + spec.epsilon_high) & (advantages > 0)
+    if spec.family in losses.RATIO_CLIP_FAMILIES or spec.family == "gmpo":
+        low_bound, high_bound = spec.ratio_clip_bounds()
+        is_low_clipped = (coef_1 < low_bound) & (advantages < 0)
+        is_high_clipped = (coef_1 > high_bound) & (advantages > 0)
         is_region_clipped = is_low_clipped | is_high_clipped
         metrics["clip_ratio/low_mean"].append(global_masked_mean(is_low_clipped.float()))
         metrics["clip_ratio/high_mean"].append(global_masked_mean(is_high_clipped.float()))
@@ -331,6 +365,10 @@ def _turbo_compute_loss(self, model, inputs):
         metrics["cispo_clip_ratio"].append(global_masked_mean(is_cispo_clipped.float()))
     elif spec.family == "vespo":
         metrics["vespo/phi_seq_mean"].append(global_masked_mean(out.phi_seq))
+    if out.dual_clipped is not None:
+        metrics["clip_ratio/dual_clip_mean"].append(global_masked_mean(out.dual_clipped.float()))
+    if out.cov_selected is not None:
+        metrics[f"{spec.loss_type}/selected_fraction"].append(global_masked_mean(out.cov_selected.float()))
     return loss
 
 

@@ -92,9 +92,15 @@ def build_trainer(
     peft: bool = False,
     reward_funcs: list[Callable] | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    config_cls: type | None = None,
+    trainer_cls: type | None = None,
 ):
-    """A GRPOTrainer on a tiny `arch` model, the testbed tokenizer and the shipped arithmetic data."""
+    """A GRPOTrainer (or `trainer_cls`, configured by `config_cls`, e.g. TRL's GMPOTrainer) on a tiny `arch` model,
+    the testbed tokenizer and the shipped arithmetic data."""
     from trl import GRPOConfig, GRPOTrainer
+
+    config_cls = config_cls or GRPOConfig
+    trainer_cls = trainer_cls or GRPOTrainer
 
     model = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {}))
     if config_kwargs.get("beta", 0.0) != 0.0 and not peft:
@@ -107,8 +113,8 @@ def build_trainer(
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    args = GRPOConfig(**config_kwargs)
-    return GRPOTrainer(
+    args = config_cls(**config_kwargs)
+    return trainer_cls(
         model=model,
         reward_funcs=reward_funcs or [arithmetic.format_reward, arithmetic.correctness_reward],
         args=args,

@@ -11,8 +11,9 @@ Where the saved input lives is decided by `CheckpointOffloader`:
   leaves the device, and it is the first one the backward pass needs.
 - Backward pass. When layer i's backward starts, layer i−1's input is prefetched on another side stream (`h2d`).
   It arrives while layer i recomputes and backpropagates. At most two layer inputs are on the device at once.
-- Budget. Host bytes are capped (`host_budget_bytes`); inputs beyond the cap stay on the device. If pinned
-  allocation fails, pageable memory is used, with one warning.
+- Budget. Host buffers come from a `PinnedPool`. It recycles them across steps and keeps its registered total
+  under `host_budget_bytes`. Inputs beyond the budget stay on the device. If page-locking fails, pageable memory
+  is used, with one warning.
 - Without a device (CPU tensors) the same bookkeeping runs with synchronous copies, so tests exercise it.
 
 The host and device copies are bitwise identical, so gradients are exactly those of plain checkpointing. Under
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .pinned_pool import PinnedPool, _Buffer
 
 _recomputing: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_turbo_recomputing", default=False)
 
@@ -53,30 +55,38 @@ class OffloadStats:
 class _Slot:
     """One saved layer input: on the device, on the host, or back on the device."""
 
-    __slots__ = ("device_tensor", "host_tensor", "prev", "produced", "arrived", "nbytes", "consumed", "__weakref__")
+    __slots__ = ("device_tensor", "host_tensor", "buffer", "pool", "prev", "produced", "arrived", "nbytes",
+                 "consumed", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, prev: _Slot | None, produced: torch.cuda.Event | None) -> None:
+    def __init__(self, tensor: torch.Tensor, prev: _Slot | None, produced: torch.cuda.Event | None,
+                 pool: PinnedPool) -> None:
         self.device_tensor: torch.Tensor | None = tensor
         self.host_tensor: torch.Tensor | None = None
+        self.buffer: _Buffer | None = None
+        self.pool = pool
         self.prev = prev
         self.produced = produced
         self.arrived: torch.cuda.Event | None = None
         self.nbytes = tensor.numel() * tensor.element_size()
         self.consumed = False
 
+    def __del__(self) -> None:
+        # A forward pass whose backward never ran (an exception, a discarded graph): its buffer goes back
+        if self.buffer is not None:
+            self.pool.release(self.buffer)
+
 
 class CheckpointOffloader:
     """Moves saved layer inputs to host memory and back, one layer ahead of the backward pass."""
 
     def __init__(self, host_budget_bytes: int, *, min_bytes: int = 1 << 20) -> None:
-        self.host_budget_bytes = host_budget_bytes
+        self.pool = PinnedPool(host_budget_bytes, register=torch.cuda.is_available())
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
-        self._host_bytes = 0
-        self._newest: _Slot | None = None
+        # Weak: the autograd graph owns the slots; a graph dropped without backward frees them (and their buffers)
+        self._newest: weakref.ref[_Slot] | None = None
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._warned_pageable = False
 
     # ------------------------------------------------------------------------------------------------ forward
     def save(self, tensor: torch.Tensor) -> _Slot:
@@ -86,57 +96,39 @@ class CheckpointOffloader:
         if cuda:
             produced = torch.cuda.Event()
             produced.record()
-        newest = self._newest
+        newest = self._newest() if self._newest is not None else None
         prev = newest if newest is not None and not newest.consumed else None
-        slot = _Slot(tensor, prev, produced)
+        slot = _Slot(tensor, prev, produced, self.pool)
         if prev is not None and prev.device_tensor is not None and prev.host_tensor is None:
             self._to_host(prev)
-        self._newest = slot
+        self._newest = weakref.ref(slot)
         return slot
 
     def _to_host(self, slot: _Slot) -> None:
         tensor = slot.device_tensor
-        if slot.nbytes < self.min_bytes or self._host_bytes + slot.nbytes > self.host_budget_bytes:
+        buffer = self.pool.acquire(slot.nbytes) if slot.nbytes >= self.min_bytes else None
+        if buffer is None:  # too small to be worth it, or over the host budget
             self.stats.kept_on_device_bytes += slot.nbytes
             return
-        host = self._allocate_host(tensor)
+        host = buffer.tensor[: slot.nbytes].view(tensor.dtype).view(tensor.shape)
         if tensor.is_cuda:
             d2h, _ = self._side_streams(tensor.device)
             d2h.wait_event(slot.produced)
+            if buffer.ready is not None:  # the copy that last read this buffer
+                d2h.wait_event(buffer.ready)
             with torch.cuda.stream(d2h):
                 host.copy_(tensor, non_blocking=True)
             tensor.record_stream(d2h)  # its memory is reused only after the copy has finished
         else:
             host.copy_(tensor)
-        slot.host_tensor, slot.device_tensor = host, None
-        self._host_bytes += slot.nbytes
+        slot.buffer, slot.host_tensor, slot.device_tensor = buffer, host, None
         self.stats.offloaded_bytes += slot.nbytes
-        self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self._host_bytes)
-        weakref.finalize(host, self._release_host_bytes, slot.nbytes)
-
-    def _release_host_bytes(self, nbytes: int) -> None:
-        self._host_bytes -= nbytes
-
-    def _allocate_host(self, like: torch.Tensor) -> torch.Tensor:
-        if like.is_cuda:
-            try:
-                return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-            except RuntimeError as error:  # pinned memory exhausted: pageable still works, with blocking copies
-                if not self._warned_pageable:
-                    warnings.warn(
-                        f"trl_turbo: pinned host memory ran out ({error}); offloading the remaining checkpoints to "
-                        "pageable memory, whose copies do not overlap compute. Lower "
-                        "`turbo_offload_host_budget_gib` to keep more checkpoints on the GPU instead.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                    self._warned_pageable = True
-        return torch.empty(like.shape, dtype=like.dtype)
+        self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self.pool.allocated_bytes)
 
     # ----------------------------------------------------------------------------------------------- backward
     def load(self, slot: _Slot) -> torch.Tensor:
         """The saved input of a layer whose backward pass starts now; prefetches the layer before it."""
-        if slot is self._newest:
+        if self._newest is not None and self._newest() is slot:
             self._newest = None
         if slot.device_tensor is None:
             self.stats.blocking_fetches += 1
@@ -146,15 +138,17 @@ class CheckpointOffloader:
             self._wait(slot.arrived)
         if slot.prev is not None and slot.prev.device_tensor is None and not slot.prev.consumed:
             self._to_device(slot.prev)  # overlaps this layer's recompute and backward
-        slot.device_tensor = slot.host_tensor = slot.prev = None
+        slot.device_tensor = slot.prev = None
         slot.consumed = True
         return tensor
 
     def _to_device(self, slot: _Slot) -> None:
-        host = slot.host_tensor
+        host, buffer = slot.host_tensor, slot.buffer
+        slot.host_tensor = slot.buffer = None
         device = slot.produced.device if slot.produced is not None else None
         if device is None or device.type != "cuda":
             slot.device_tensor = host.clone()
+            self.pool.release(buffer)
             return
         _, h2d = self._side_streams(device)
         with torch.cuda.stream(h2d):
@@ -164,6 +158,7 @@ class CheckpointOffloader:
             slot.arrived.record(h2d)
         tensor.record_stream(torch.cuda.current_stream(device))
         slot.device_tensor = tensor
+        self.pool.release(buffer, slot.arrived)  # reusable once this copy has read it
 
     def _wait(self, event: torch.cuda.Event) -> None:
         stream = torch.cuda.current_stream()
@@ -185,8 +180,7 @@ class CheckpointOffloader:
             after.synchronize()
             stats.wait_s += before.elapsed_time(after) / 1000.0
         self._waits.clear()
-        stats.host_bytes_peak = max(stats.host_bytes_peak, self._host_bytes)
-        self.stats.host_bytes_peak = self._host_bytes
+        self.stats.host_bytes_peak = self.pool.allocated_bytes
         return stats
 
 

@@ -225,3 +225,52 @@ def test_training_steps_match_stock(arch, peft):
     stock = parity.run_training("stock", steps=3, arch=arch, peft=peft, model_kwargs=UNTIED)
     turbo = parity.run_training("turbo", steps=3, arch=arch, peft=peft, model_kwargs=UNTIED)
     parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- forward token budget
+GROUPED_CASES = {
+    **{loss_type: {"loss_type": loss_type} for loss_type in
+       ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "luspo", "vespo", "gmpo", "gppo", "reinforce")},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 5.0},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "kl": {"beta": 0.1},
+    "entropy_bonus": {"entropy_coef": 0.05},
+    "entropy_bonus_bnpo": {"entropy_coef": 0.05, "loss_type": "bnpo"},
+    "off_policy_mask_dual_clip": {"off_policy_mask_threshold": 0.02, "turbo_dual_clip": 3.0},
+}
+
+
+@pytest.mark.parametrize("budget", [12, 30], ids=["one-sequence-groups", "two-sequence-groups"])
+@pytest.mark.parametrize("case", sorted(GROUPED_CASES))
+def test_forward_token_budget_groups_equal_one_pass(tmp_path, case, budget):
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), **GROUPED_CASES[case]), peft=True,
+                                   model_kwargs=UNTIED)
+    trainer.model.train()
+    inputs = parity.synthetic_batch(trainer, batch=4, prompt_len=5, completion_len=7, with_old_logps=True,
+                                    with_ref_logps=True, with_sampling_logps=True)
+    trainer.args.turbo_forward_token_budget = None
+    assert trl_trainer.sequence_groups(trainer, inputs) is None
+    one_loss, one_grads = parity.loss_and_grads(trainer, inputs, fused=True)
+    trainer.args.turbo_forward_token_budget = budget
+    assert len(trl_trainer.sequence_groups(trainer, inputs)) == (4 if budget == 12 else 2)
+    grouped_loss, grouped_grads = parity.loss_and_grads(trainer, inputs, fused=True)
+    torch.testing.assert_close(grouped_loss, one_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in one_grads.items():
+        torch.testing.assert_close(grouped_grads[name], grad, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("options", [{"top_entropy_quantile": 0.5}, {"loss_type": "kl_cov"},
+                                     {"use_adaptive_entropy": True, "entropy_coef": 0.01}])
+def test_forward_token_budget_leaves_whole_batch_statistics_unsplit(tmp_path, options):
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), turbo_forward_token_budget=12,
+                                                             **options), peft=True)
+    trainer.model.train()
+    inputs = parity.synthetic_batch(trainer, batch=4, prompt_len=5, completion_len=7)
+    assert trl_trainer.sequence_groups(trainer, inputs) is None
+
+
+def test_forward_token_budget_training_matches_stock():
+    stock = parity.run_training("stock", steps=2, peft=True, model_kwargs=UNTIED)
+    turbo = parity.run_training("turbo", {"turbo_forward_token_budget": 20}, steps=2, peft=True,
+                                model_kwargs=UNTIED)
+    parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)

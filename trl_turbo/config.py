@@ -121,6 +121,17 @@ class TurboFields:
         default=16384,
         metadata={"help": "Tokens per tile for turbo_tiled_mlp."},
     )
+    turbo_forward_token_budget: int | None = field(
+        default=32768,
+        metadata={
+            "help": "A training micro-batch with more tokens than this is forwarded and backpropagated in groups of "
+            "whole sequences of at most this many tokens (at least one sequence), with the loss normalised over the "
+            "whole micro-batch, so activation memory follows one group. Gradients equal the unsplit pass up to float "
+            "reassociation; per-step metrics are averaged over groups as TRL averages micro-batches. Not applied "
+            "with top_entropy_quantile < 1, clip_cov/kl_cov, adaptive entropy, MoE aux losses or DeepSpeed. None: "
+            "never split."
+        },
+    )
     turbo_lean_norms: bool = field(
         default=True,
         metadata={
@@ -171,6 +182,11 @@ def validate(args: Any) -> None:
         )
     if args.turbo_tiled_mlp_tokens < 1:
         raise ValueError(f"`turbo_tiled_mlp_tokens` must be a positive number, got {args.turbo_tiled_mlp_tokens}.")
+    if args.turbo_forward_token_budget is not None and args.turbo_forward_token_budget < 1:
+        raise ValueError(
+            f"`turbo_forward_token_budget` must be a positive number of tokens or None, got "
+            f"{args.turbo_forward_token_budget}."
+        )
     if args.turbo_offload_host_budget_gib is not None and args.turbo_offload_host_budget_gib < 0:
         raise ValueError(
             f"`turbo_offload_host_budget_gib` must be >= 0 GiB or None, got {args.turbo_offload_host_budget_gib}."

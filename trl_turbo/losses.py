@@ -434,6 +434,10 @@ class Normalizers:
     steps_per_generation: int = 1
     max_completion_length: int = 1
     training: bool = True
+    # When the loss is evaluated over a group of the micro-batch's sequences (forward token budget), the reductions
+    # that average over the micro-batch divide by the whole micro-batch's sequence and token counts instead.
+    batch_sequences: int | None = None
+    batch_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -568,19 +572,30 @@ def reduce_loss(
             normalizer = normalizer * norm.accumulation_steps / norm.steps_per_generation
         loss = (per_token_loss * mask).sum() / normalizer
         return loss, loss.detach()
+    sequences = per_token_loss.size(0) if norm.batch_sequences is None else norm.batch_sequences
     if reduction == "sequence_mean":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        per_sequence = (per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        loss = per_sequence.mean() if norm.batch_sequences is None else per_sequence.sum() / sequences
     elif reduction == "token_mean":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        tokens = mask.sum() if norm.batch_tokens is None else norm.batch_tokens
+        loss = (per_token_loss * mask).sum() / tokens.clamp(min=1.0)
     elif reduction == "fixed_length":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * norm.max_completion_length)
+        loss = (per_token_loss * mask).sum() / (sequences * norm.max_completion_length)
     elif reduction == "sequence_sum":
-        loss = (per_token_loss * mask).sum(-1).mean()
+        per_sequence = (per_token_loss * mask).sum(-1)
+        loss = per_sequence.mean() if norm.batch_sequences is None else per_sequence.sum() / sequences
     else:
         raise ValueError(f"Unknown reduction {reduction!r} for loss type {spec.loss_type!r}")
     return loss / norm.accumulation_steps, loss.detach()
 
 
-def entropy_bonus(entropies: torch.Tensor, effective_mask: torch.Tensor, accumulation_steps: float) -> torch.Tensor:
-    """Mean entropy over the tokens the bonus acts on, scaled only for gradient accumulation (subtract coef × this)."""
-    return (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_steps
+def entropy_bonus(
+    entropies: torch.Tensor,
+    effective_mask: torch.Tensor,
+    accumulation_steps: float,
+    batch_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean entropy over the tokens the bonus acts on, scaled only for gradient accumulation (subtract coef × this).
+    `batch_tokens`: the whole micro-batch's count of those tokens, when `entropies` covers a group of its sequences."""
+    tokens = effective_mask.sum() if batch_tokens is None else batch_tokens
+    return (entropies * effective_mask).sum() / tokens.clamp(min=1.0) / accumulation_steps

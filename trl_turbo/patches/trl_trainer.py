@@ -179,9 +179,71 @@ def _wrap_compute_loss(original):
     def _compute_loss(self, model, inputs):
         if not fused_loss_enabled(self):
             return original(self, model, inputs)
-        return _turbo_compute_loss(self, model, inputs)
+        groups = sequence_groups(self, inputs)
+        if groups is None:
+            return _turbo_compute_loss(self, model, inputs)
+        return _grouped_compute_loss(self, model, inputs, groups)
 
     return _compute_loss
+
+
+def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
+    """Split the micro-batch into groups of whole sequences of at most `turbo_forward_token_budget` tokens each,
+    when it exceeds the budget and the loss allows it; None: one forward over the whole micro-batch."""
+    budget = getattr(trainer.args, "turbo_forward_token_budget", None)
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
+    if budget is None or sequences < 2 or sequences * length <= budget:
+        return None
+    if not (torch.is_grad_enabled() and trainer.model.training) or not splittable_loss(trainer):
+        return None
+    per_group = max(1, budget // length)
+    return [slice(start, min(start + per_group, sequences)) for start in range(0, sequences, per_group)]
+
+
+def splittable_loss(trainer: Any) -> bool:
+    """Whether the loss of a micro-batch is the sum of its sequence groups' losses (given whole-batch normalizers).
+    Not so for statistics over all tokens of the micro-batch (entropy quantile, Clip-/KL-Cov covariances), the
+    adaptive entropy controller's once-per-step update, MoE aux losses, or DeepSpeed (one backward per step)."""
+    from accelerate.utils import DistributedType
+
+    return (
+        trainer.top_entropy_quantile >= 1.0
+        and trainer.loss_type not in ("clip_cov", "kl_cov")
+        and not trainer.use_adaptive_entropy
+        and not trainer.aux_loss_enabled
+        and trainer.accelerator.distributed_type != DistributedType.DEEPSPEED
+    )
+
+
+def _slice_inputs(inputs: dict[str, Any], rows: slice, sequences: int) -> dict[str, Any]:
+    def take(value):
+        if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == sequences:
+            return value[rows]
+        if isinstance(value, list) and len(value) == sequences:
+            return value[rows]
+        return value
+
+    return {key: take(value) for key, value in inputs.items()}
+
+
+def _grouped_compute_loss(self, model, inputs, groups: list[slice]):
+    """Forward and backward one sequence group at a time, so activations scale with a group, not the micro-batch.
+    All groups but the last are backpropagated here; the returned loss carries the last group's graph and the
+    others' values, so the Trainer's own backward completes the step and logs the whole micro-batch's loss."""
+    sequences = inputs["prompt_ids"].size(0)
+    mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+    whole = _WholeBatch(sequences=sequences, tokens=mask.sum())
+    done = None
+    for index, rows in enumerate(groups):
+        loss = _turbo_compute_loss(self, model, _slice_inputs(inputs, rows, sequences), whole)
+        if index < len(groups) - 1:
+            self.accelerator.backward(loss)
+            done = loss.detach() if done is None else done + loss.detach()
+    if whole.policy_loss is not None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(whole.policy_loss).nanmean().item())
+    return loss + done
 
 
 def _log_sampling_metrics(trainer: Any, mode: str, trainer_logps, sampling_logps, ratio, mask, sequence_level) -> None:
@@ -242,7 +304,18 @@ _MULTIMODAL_KEYS = (
 )
 
 
-def _turbo_compute_loss(self, model, inputs):
+@dataclass
+class _WholeBatch:
+    """Counts of the whole micro-batch while its loss is computed one sequence group at a time."""
+
+    sequences: int
+    tokens: torch.Tensor
+    policy_loss: torch.Tensor | None = None  # summed over groups, logged once
+
+
+def _turbo_compute_loss(self, model, inputs, whole: _WholeBatch | None = None):
+    """The loss of `inputs`. For a group of the micro-batch's sequences (`whole`), reductions that average over
+    the micro-batch divide by its counts, and the policy-loss metric is accumulated in `whole` for the caller."""
     from trl.trainer.utils import nanmax, nanmin
 
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -306,19 +379,24 @@ def _turbo_compute_loss(self, model, inputs):
         steps_per_generation=self.args.steps_per_generation,
         max_completion_length=self.max_completion_length,
         training=training,
+        batch_sequences=None if whole is None else whole.sequences,
+        batch_tokens=None if whole is None else whole.tokens,
     )
     out = losses.grpo_loss(spec, batch, norm)
     loss = out.loss
 
     if self._entropy_bonus_enabled:
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        entropy_loss = losses.entropy_bonus(entropies, effective_mask, accumulation)
+        entropy_loss = losses.entropy_bonus(entropies, effective_mask, accumulation, norm.batch_tokens)
         if self.use_adaptive_entropy:
             apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
         else:
             apply_coef = self.entropy_coef
         loss = loss - apply_coef * entropy_loss
-        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(out.policy_loss).nanmean().item())
+        if whole is None:
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(out.policy_loss).nanmean().item())
+        else:
+            whole.policy_loss = out.policy_loss if whole.policy_loss is None else whole.policy_loss + out.policy_loss
         if self.use_adaptive_entropy and training:
             _update_adaptive_entropy(self, entropies, effective_mask)
         if training and self.accelerator.sync_gradients:

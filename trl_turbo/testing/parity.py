@@ -50,6 +50,7 @@ ALL_FEATURES_OFF: dict[str, Any] = {
     "turbo_offload_checkpoints": False,
     "turbo_tiled_mlp": False,
     "turbo_lean_norms": False,
+    "turbo_forward_token_budget": None,
 }
 
 

@@ -180,10 +180,12 @@ def train_step(trainer: Any, inputs: dict[str, torch.Tensor], with_old_pass: boo
 
 
 def measure(trainer: Any, inputs: dict[str, torch.Tensor], with_old_pass: bool, device: torch.device,
-            steps: int) -> dict[str, float | None]:
-    """Warm up once, then time ``steps`` micro-steps; peak/static memory of the timed steps (GiB, CUDA only)."""
+            steps: int, warmup: int = 1) -> dict[str, float | None]:
+    """Run ``warmup`` untimed micro-steps, then time ``steps``; peak/static memory of the timed steps (GiB, CUDA
+    only). Without warm-up the first step's time includes one-off costs (kernel compilation, host buffers)."""
     model = trainer.model
-    train_step(trainer, inputs, with_old_pass)
+    for _ in range(warmup):
+        train_step(trainer, inputs, with_old_pass)
     model.zero_grad(set_to_none=True)
     synchronize(device)
     static = memory_allocated(device)
@@ -229,7 +231,7 @@ def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: 
         inputs = synthetic_inputs(args.micro_batch, args.prompt_len, completion_len, SHAPES[args.shape]["vocab_size"],
                                   device, args.tis)
         row["old_logps_pass"] = args.tis and (variant == "stock" or turbo_needs_old_logps_pass(trainer))
-        row.update(measure(trainer, inputs, row["old_logps_pass"], device, args.steps))
+        row.update(measure(trainer, inputs, row["old_logps_pass"], device, args.steps, args.warmup))
         row["ok"] = True
         row["tokens_per_s"] = args.micro_batch * (args.prompt_len + completion_len) / row["step_s"]
         runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
@@ -265,6 +267,7 @@ def run(args: argparse.Namespace) -> Path:
         "variants": variants,
         "tis": args.tis,
         "steps": args.steps,
+        "warmup": args.warmup,
         "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"},
         "loss_type": "dapo",
         "beta": 0.0,
@@ -322,6 +325,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")
     parser.add_argument("--tis", action="store_true", help="simulate vLLM importance-sampling correction")
     parser.add_argument("--steps", type=int, default=1, help="timed micro-steps after the warm-up (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (0 for longest-length probes)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.set_defaults(func=run)

@@ -104,10 +104,10 @@ def test_train_both_variants(tmp_path, tis):
 def test_train_oom_skips_longer_lengths(tmp_path, monkeypatch):
     real_measure = train.measure
 
-    def measure_or_oom(trainer, inputs, with_old_pass, device, steps):
+    def measure_or_oom(trainer, inputs, with_old_pass, device, steps, warmup):
         if inputs["completion_ids"].size(1) > 8:
             raise torch.OutOfMemoryError("simulated")
-        return real_measure(trainer, inputs, with_old_pass, device, steps)
+        return real_measure(trainer, inputs, with_old_pass, device, steps, warmup)
 
     monkeypatch.setattr(train, "measure", measure_or_oom)
     cli.main(["train", "--shape", "tiny", "--micro-batch", "2", "--lengths", "8,16,32", "--prompt-len", "4",

@@ -223,15 +223,15 @@ def _gpu_grads(model, ids, offloader, peft):
 
 
 class _SlowCopies(CheckpointOffloader):
-    """Queues ~50 ms of sleep on the copy streams before every copy: a consumer that does not wait for its copy, or
-    memory freed/reused while a copy still reads it, then shows up as corrupted gradients."""
+    """Queues ~50 ms of sleep on the device-to-host stream before every copy out: a copy back that does not wait for
+    it, a consumer that does not wait for its copy, or memory freed/reused while a copy still reads it then shows up
+    as corrupted gradients."""
 
     def _side_streams(self, device):
-        streams = super()._side_streams(device)
-        for stream in streams:
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(50_000_000)
-        return streams
+        d2h, h2d = super()._side_streams(device)
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(50_000_000)
+        return d2h, h2d
 
 
 @pytest.mark.gpu

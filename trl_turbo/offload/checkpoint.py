@@ -55,8 +55,8 @@ class OffloadStats:
 class _Slot:
     """One saved layer input: on the device, on the host, or back on the device."""
 
-    __slots__ = ("device_tensor", "host_tensor", "buffer", "pool", "prev", "produced", "arrived", "nbytes",
-                 "consumed", "__weakref__")
+    __slots__ = ("device_tensor", "host_tensor", "buffer", "pool", "prev", "produced", "offloaded", "arrived",
+                 "nbytes", "consumed", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, prev: _Slot | None, produced: torch.cuda.Event | None,
                  pool: PinnedPool) -> None:
@@ -66,6 +66,7 @@ class _Slot:
         self.pool = pool
         self.prev = prev
         self.produced = produced
+        self.offloaded: torch.cuda.Event | None = None  # the device-to-host copy has finished writing the buffer
         self.arrived: torch.cuda.Event | None = None
         self.nbytes = tensor.numel() * tensor.element_size()
         self.consumed = False
@@ -118,6 +119,8 @@ class CheckpointOffloader:
                 d2h.wait_event(buffer.ready)
             with torch.cuda.stream(d2h):
                 host.copy_(tensor, non_blocking=True)
+                slot.offloaded = torch.cuda.Event()
+                slot.offloaded.record(d2h)
             tensor.record_stream(d2h)  # its memory is reused only after the copy has finished
         else:
             host.copy_(tensor)
@@ -151,6 +154,9 @@ class CheckpointOffloader:
             self.pool.release(buffer)
             return
         _, h2d = self._side_streams(device)
+        # The copy back runs on another stream than the copy out: it must not read the buffer before it is written
+        # (the last layers' inputs are needed right after they were offloaded).
+        h2d.wait_event(slot.offloaded)
         with torch.cuda.stream(h2d):
             tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
             tensor.copy_(host, non_blocking=True)

@@ -13,10 +13,23 @@ into it waits for the event on its own stream, so reuse never blocks the host.
 
 from __future__ import annotations
 
+import mmap
 import warnings
 from dataclasses import dataclass
 
 import torch
+
+_PAGE = mmap.PAGESIZE
+
+
+def _page_aligned_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` rounded up to whole pages, starting on a page boundary. cudaHostRegister locks
+    whole pages, so two small heap allocations sharing a page could not both be registered; a range of whole pages
+    inside one allocation never overlaps another buffer's."""
+    rounded = -(-nbytes // _PAGE) * _PAGE
+    raw = torch.empty(rounded + _PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % _PAGE
+    return raw[offset : offset + rounded]
 
 
 @dataclass
@@ -47,10 +60,10 @@ class PinnedPool:
             self._evict(max(self._free, key=lambda b: b.tensor.numel()))
         if self.allocated_bytes + nbytes > self.budget_bytes:
             return None
-        buffer = _Buffer(torch.empty(nbytes, dtype=torch.uint8), registered=False)
+        buffer = _Buffer(_page_aligned_bytes(nbytes), registered=False)
         if self.register:
             buffer.registered = self._register(buffer.tensor)
-        self.allocated_bytes += nbytes
+        self.allocated_bytes += buffer.tensor.numel()
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
         return buffer
 

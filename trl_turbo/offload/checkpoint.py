@@ -11,8 +11,8 @@ Where the saved input lives is decided by `CheckpointOffloader`:
   leaves the device, and it is the first one the backward pass needs.
 - Backward pass. When layer i's backward starts, layer i−1's input is prefetched on another side stream (`h2d`).
   It arrives while layer i recomputes and backpropagates. At most two layer inputs are on the device at once.
-- Budget. Host buffers come from a `PinnedPool`. It recycles them across steps and keeps its registered total
-  under `host_budget_bytes`. Inputs beyond the budget stay on the device. If page-locking fails, pageable memory
+- Budget. Host buffers come from a `PinnedPool`. It recycles them across steps and keeps its total under
+  `host_budget_bytes`. Inputs beyond the budget stay on the device. If page-locking fails, pageable memory
   is used, with one warning.
 - Without a device (CPU tensors) the same bookkeeping runs with synchronous copies, so tests exercise it.
 
@@ -81,7 +81,7 @@ class CheckpointOffloader:
     """Moves saved layer inputs to host memory and back, one layer ahead of the backward pass."""
 
     def __init__(self, host_budget_bytes: int, *, min_bytes: int = 1 << 20) -> None:
-        self.pool = PinnedPool(host_budget_bytes, register=torch.cuda.is_available())
+        self.pool = PinnedPool(host_budget_bytes, pin=torch.cuda.is_available())
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
         # Weak: the autograd graph owns the slots; a graph dropped without backward frees them (and their buffers)

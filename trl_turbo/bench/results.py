@@ -74,7 +74,7 @@ def metadata(benchmark: str, device: torch.device, config: dict[str, Any]) -> di
     versions["cuda"] = torch.version.cuda
     # The GPU machine receives a copy of the working tree without .git: the caller names the commit there
     # (TRL_TURBO_COMMIT=$(git rev-parse HEAD), set here before sending; dirty only if the tree was).
-    status = _git("status", "--porcelain")
+    status = _git("status", "--porcelain", "--untracked-files=no")  # carried, untracked folders are not code
     commit = _git("rev-parse", "HEAD") or os.environ.get("TRL_TURBO_COMMIT", "unknown")
     dirty = bool(status) if status is not None else os.environ.get("TRL_TURBO_DIRTY", "1") != "0"
     return {

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib.metadata
-import os
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable

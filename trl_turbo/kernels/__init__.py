@@ -2,5 +2,4 @@
 
 from .logprob import tile_grad_coefficients, tile_logprob_stats
 
-
 __all__ = ["tile_grad_coefficients", "tile_logprob_stats"]

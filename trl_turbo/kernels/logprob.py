@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # `triton.jit` reads TRITON_INTERPRET when the kernels below are decorated, i.e. at this import
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

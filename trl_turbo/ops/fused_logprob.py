@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 from packaging.version import Version
 
-
 try:
     from ..kernels import logprob as _triton_logprob
 except ImportError:  # Triton is Linux-only; elsewhere the torch tile functions below run the same algorithm

@@ -302,3 +302,36 @@ def test_lean_norms_skip_other_norm_formulas():
     from trl_turbo.patches.transformers_checkpointing import install_lean_norms
 
     assert install_lean_norms(_model("gemma")) == 0  # gemma scales by (1 + weight): left alone
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
+    """200 real GRPO steps (generation, rewards, offloaded/tiled/grouped training) on a small model: after warm-up,
+    device memory at step end and the pinned pool's size stay constant (no leak across TRL's GC re-enables)."""
+    from transformers import TrainerCallback
+
+    config = parity.base_config_kwargs(
+        str(tmp_path), use_cpu=False, bf16=True, gradient_checkpointing=True, max_steps=200,
+        per_device_train_batch_size=8, num_generations=8, max_completion_length=64, turbo_tiled_mlp_tokens=128,
+        turbo_forward_token_budget=256, turbo_offload_host_budget_gib=4.0,
+    )
+    trainer = parity.build_trainer(config, peft=True, model_kwargs={"tie_word_embeddings": False,
+                                                                    "hidden_size": 256, "layers": 4})
+    offloader = trainer._trl_turbo_checkpointing.offloader
+    offloader.min_bytes = 0  # this model's activations are far below the production threshold
+    device, host = [], []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize()
+            device.append(torch.cuda.memory_allocated())
+            host.append(offloader.pool.allocated_bytes)
+
+    trainer.add_callback(Record())
+    trainer.train()
+    assert len(device) == 200
+    assert max(device[20:]) - min(device[20:]) <= 1 << 20, "device memory grows across steps"
+    assert len(set(host[20:])) == 1 and host[-1] > 0, "pinned host memory grows across steps"
+    embed = trainer.model.get_base_model().get_input_embeddings()
+    assert len(embed._forward_hooks) == 1

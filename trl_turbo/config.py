@@ -140,6 +140,14 @@ class TurboFields:
             "bitwise the same, gradients equal up to rounding."
         },
     )
+    turbo_vllm_match_precision: bool = field(
+        default=True,
+        metadata={
+            "help": "With use_vllm in colocate mode and fp16 or bf16 training, the vLLM engine samples in that same "
+            "dtype (TRL leaves it to the checkpoint's, e.g. a bf16 sampler for fp16 training: the train-inference "
+            "mismatch that fp16 RL removes, arXiv 2510.26788)."
+        },
+    )
     turbo_vllm_shared_weights: bool = field(
         default=False,
         metadata={

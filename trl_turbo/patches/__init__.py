@@ -27,13 +27,15 @@ def apply_all() -> bool:
             )
             _warned = True
         return False
-    from . import transformers_checkpointing, trl_checkpointing, trl_config, trl_trainer
+    from . import transformers_checkpointing, trl_checkpointing, trl_config, trl_trainer, trl_trainer_init, trl_vllm
 
     try:
         trl_config.apply()
         trl_trainer.apply()
+        trl_trainer_init.apply()
         transformers_checkpointing.apply()
         trl_checkpointing.apply()
+        trl_vllm.apply()
     except BaseException:
         registry.restore_all()
         raise

@@ -1,8 +1,9 @@
 """GRPOTrainer side of offloaded checkpointing and tiled MLPs: set them up on the model, report their traffic.
 
-Seams: `GRPOTrainer.__init__` (after TRL's own, the model gets its `CheckpointingRuntime` and tiled MLPs; transformers'
-patched `_set_gradient_checkpointing` then keeps trl_turbo's checkpoint function in place across every enable) and
-`GRPOTrainer.training_step` (after each micro-step, the offload statistics go into TRL's metrics as `offload/*`).
+Seams: `configure` runs after TRL's `GRPOTrainer.__init__` (see `trl_trainer_init`): the model gets its
+`CheckpointingRuntime`, lean norms and tiled MLPs, and transformers' patched `_set_gradient_checkpointing` keeps
+trl_turbo's checkpoint function in place across every later enable. `GRPOTrainer.training_step`: after each
+micro-step, the offload statistics go into TRL's metrics as `offload/*`.
 """
 
 from __future__ import annotations
@@ -61,15 +62,6 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     return runtime
 
 
-def _wrap_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self._trl_turbo_checkpointing = configure(self)
-
-    return __init__
-
-
 def _wrap_training_step(original):
     @functools.wraps(original)
     def training_step(self, *args, **kwargs):
@@ -91,5 +83,4 @@ def _wrap_training_step(original):
 def apply() -> None:
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    registry.set_attr(GRPOTrainer, "__init__", _wrap_init(GRPOTrainer.__dict__["__init__"]))
     registry.set_attr(GRPOTrainer, "training_step", _wrap_training_step(GRPOTrainer.__dict__["training_step"]))

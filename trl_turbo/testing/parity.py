@@ -51,6 +51,7 @@ ALL_FEATURES_OFF: dict[str, Any] = {
     "turbo_tiled_mlp": False,
     "turbo_lean_norms": False,
     "turbo_forward_token_budget": None,
+    "turbo_vllm_match_precision": False,
 }
 
 

@@ -1,0 +1,45 @@
+"""`GRPOTrainer.__init__`: the one wrapper around TRL's constructor.
+
+While TRL's constructor runs, the trainer's GRPOConfig is visible through `constructing_config()`. Objects TRL builds
+inside it never receive the config, the vLLM engine among them, and this lets their patches read it. After the
+constructor, the model-side features are installed: lean norms, the checkpointing runtime, tiled MLPs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from typing import Any
+
+from . import registry, trl_checkpointing
+
+_constructing: contextvars.ContextVar[Any] = contextvars.ContextVar("trl_turbo_grpo_config", default=None)
+
+
+def constructing_config() -> Any:
+    """The GRPOConfig of the GRPOTrainer being constructed (None outside a constructor, or when TRL builds its
+    default config because none was passed)."""
+    return _constructing.get()
+
+
+def _wrap_init(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        config = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
+        token = _constructing.set(config)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            _constructing.reset(token)
+        self._trl_turbo_checkpointing = trl_checkpointing.configure(self)
+
+    return __init__
+
+
+def apply() -> None:
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    registry.set_attr(GRPOTrainer, "__init__", _wrap_init(GRPOTrainer.__dict__["__init__"]))

@@ -12,6 +12,7 @@ loaded — and raises `ValueError`s that name the fix.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +199,14 @@ def validate(args: Any) -> None:
     if args.turbo_offload_host_budget_gib is not None and args.turbo_offload_host_budget_gib < 0:
         raise ValueError(
             f"`turbo_offload_host_budget_gib` must be >= 0 GiB or None, got {args.turbo_offload_host_budget_gib}."
+        )
+    if args.world_size > 1 and args.gradient_checkpointing and (args.turbo_offload_checkpoints or args.turbo_tiled_mlp):
+        warnings.warn(
+            f"trl_turbo: `turbo_offload_checkpoints` and `turbo_tiled_mlp` are not supported with several processes "
+            f"yet (world size {args.world_size}); this run keeps transformers' gradient checkpointing and the plain "
+            "MLP. Every other trl_turbo feature stays on. Set both to False to silence this warning.",
+            RuntimeWarning,
+            stacklevel=3,
         )
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
         raise ValueError(

@@ -74,7 +74,7 @@ def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
             current.tile_tokens = tile_tokens
         else:
             feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
-            registry.set_attr(mlp, "forward", TiledMLPForward(mlp.forward, tile_tokens, feeds_residual), weak=True)
+            registry.set_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
         count += 1
     return count
 

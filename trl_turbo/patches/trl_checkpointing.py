@@ -34,6 +34,13 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def multi_process_checkpointing_unsupported(args: Any) -> bool:
+    """trl_turbo's checkpoint function backpropagates each layer in a nested (reentrant) backward pass, and DDP marks
+    a parameter ready twice then ("Expected to mark a variable ready only once"). Until issue #7 moves it onto
+    non-reentrant checkpointing, several processes keep transformers' checkpointing (config.validate warns)."""
+    return args.world_size > 1
+
+
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
@@ -48,7 +55,7 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
         install_lean_norms(model)
     offload = bool(getattr(args, "turbo_offload_checkpoints", False))
     tiled = bool(getattr(args, "turbo_tiled_mlp", False))
-    if not args.gradient_checkpointing or not (offload or tiled):
+    if not args.gradient_checkpointing or not (offload or tiled) or multi_process_checkpointing_unsupported(args):
         return None
     offloader = None
     if offload and next(model.parameters()).is_cuda:

@@ -15,6 +15,11 @@ import importlib
 import torch
 
 
+def fmt(value: float | None, spec: str) -> str:
+    """A measurement for the console tables; "-" when there is none (OOM, error, CPU memory)."""
+    return "-" if value is None else format(value, spec)
+
+
 def resolve_device(name: str | None) -> torch.device:
     """``name`` as a device, or CUDA when available and CPU otherwise."""
     if name is None:

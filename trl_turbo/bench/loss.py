@@ -22,7 +22,16 @@ from typing import Any
 
 import torch
 
-from . import free_memory, memory_allocated, parse_lengths, peak_allocated, reset_peak, resolve_device, synchronize
+from . import (
+    fmt,
+    free_memory,
+    memory_allocated,
+    parse_lengths,
+    peak_allocated,
+    reset_peak,
+    resolve_device,
+    synchronize,
+)
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 from .shapes import LOSS_PRESETS
 
@@ -217,17 +226,13 @@ def _series(row: dict[str, Any]) -> str:
     return f"{row['impl']} H={row['hidden']} V={row['vocab']}"
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _format_row(row: dict[str, Any]) -> str:
     status = "ok" if row["ok"] else row["error"]
     return (
         f"{row['impl']:>5} H={row['hidden']} V={row['vocab']} B={row['micro_batch']} L={row['completion_len']:>6} "
-        f"{status}  extra={_fmt(row['peak_extra_gib'], '6.2f')} GiB  "
-        f"beyond grad={_fmt(row['peak_extra_beyond_grad_gib'], '6.2f')} GiB  "
-        f"fwd+bwd={_fmt(row['fwd_bwd_ms'], '8.1f')} ms"
+        f"{status}  extra={fmt(row['peak_extra_gib'], '6.2f')} GiB  "
+        f"beyond grad={fmt(row['peak_extra_beyond_grad_gib'], '6.2f')} GiB  "
+        f"fwd+bwd={fmt(row['fwd_bwd_ms'], '8.1f')} ms"
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from . import (
+    fmt,
     free_memory,
     memory_allocated,
     parse_lengths,
@@ -304,17 +305,13 @@ def _series(row: dict[str, Any]) -> str:
     return f"{row['variant']}{' +TIS' if row['tis'] else ''}"
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _format_row(row: dict[str, Any]) -> str:
     status = "ok" if row["ok"] else row["error"]
     return (
         f"{row['variant']:>6} B={row['micro_batch']} P={row['prompt_len']} L={row['completion_len']:>6} "
         f"tis={int(row['tis'])} old_pass={int(bool(row['old_logps_pass']))} {status:>3}  "
-        f"peak={_fmt(row['peak_gib'], '7.2f')} GiB  static={_fmt(row['static_gib'], '6.2f')} GiB  "
-        f"step={_fmt(row['step_s'], '7.3f')} s  {_fmt(row['tokens_per_s'], '9.0f')} tok/s"
+        f"peak={fmt(row['peak_gib'], '7.2f')} GiB  static={fmt(row['static_gib'], '6.2f')} GiB  "
+        f"step={fmt(row['step_s'], '7.3f')} s  {fmt(row['tokens_per_s'], '9.0f')} tok/s"
     )
 
 

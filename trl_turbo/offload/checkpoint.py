@@ -198,8 +198,7 @@ def _recompute_state(cpu_rng: torch.Tensor, device_rng: tuple[torch.device, torc
         torch.set_rng_state(cpu_rng)
         if device_rng is not None:
             torch.cuda.set_rng_state(device_rng[1], device_rng[0])
-        for device_type, enabled, dtype in autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        stack.enter_context(restored_autocast(autocast))
         token = _recomputing.set(True)
         try:
             yield
@@ -209,6 +208,15 @@ def _recompute_state(cpu_rng: torch.Tensor, device_rng: tuple[torch.device, torc
 
 def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+
+
+@contextlib.contextmanager
+def restored_autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    """Re-enter the autocast state `_autocast_state()` captured in a forward pass (backward runs outside it)."""
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        yield
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):

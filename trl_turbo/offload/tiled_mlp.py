@@ -15,12 +15,11 @@ checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) c
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 
-from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing
+from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing, restored_autocast
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -47,10 +46,7 @@ class _TiledMLP(torch.autograd.Function):
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(flat) if ctx.x_requires_grad else None
         param_grads: list[torch.Tensor | None] = [None] * len(params)
-        with contextlib.ExitStack() as stack:
-            for device_type, enabled, dtype in ctx.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-            stack.enter_context(torch.enable_grad())
+        with restored_autocast(ctx.autocast), torch.enable_grad():
             for start in range(0, flat.shape[0], ctx.tile_tokens):
                 end = min(start + ctx.tile_tokens, flat.shape[0])
                 tile = flat[start:end].detach().requires_grad_(ctx.x_requires_grad)

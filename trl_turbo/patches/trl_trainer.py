@@ -56,15 +56,19 @@ def fused_loss_enabled(trainer: Any) -> bool:
     return bool(getattr(trainer.args, "turbo_fused_loss", False)) and registry.is_active()
 
 
+def generation_aligned(trainer: Any) -> bool:
+    """TRL's rule: each generation's samples are trained on within one optimizer step (no update in between)."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    return trainer.args.gradient_accumulation_steps % generate_every == 0
+
+
 def reuses_policy_logps(trainer: Any) -> bool:
     """True when TRL would run an old-log-prob forward only for vLLM IS correction, and its result would equal the
     training forward's detached log-probs (same weights: one iteration, generation aligned with optimizer steps)."""
     args = trainer.args
     if not (fused_loss_enabled(trainer) and getattr(args, "turbo_reuse_policy_logps", False)):
         return False
-    generate_every = args.steps_per_generation * trainer.num_iterations
-    aligned = args.gradient_accumulation_steps % generate_every == 0
-    return bool(aligned and trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    return bool(generation_aligned(trainer) and trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
 def holds_is_gate(trainer: Any) -> bool:
@@ -81,11 +85,8 @@ def holds_is_gate(trainer: Any) -> bool:
 
 def needs_old_logps_forward(trainer: Any) -> bool:
     """Whether a generation step runs the extra no-grad forward for old-policy log-probs (TRL's rule, minus reuse)."""
-    args = trainer.args
-    generate_every = args.steps_per_generation * trainer.num_iterations
-    misaligned = args.gradient_accumulation_steps % generate_every != 0
     is_gate = trainer.use_vllm and trainer.vllm_importance_sampling_correction and not holds_is_gate(trainer)
-    return bool(misaligned or is_gate)
+    return bool(not generation_aligned(trainer) or is_gate)
 
 
 class FusedLogProbAdapter:

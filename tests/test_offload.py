@@ -97,6 +97,18 @@ def test_pool_budget_evicts_unused_buffers_and_refuses_beyond_it():
     assert c is not None and pool.allocated_bytes == 90
 
 
+def test_pool_holds_buffers_of_many_sizes():
+    from trl_turbo.offload.pinned_pool import PinnedPool
+
+    pool = PinnedPool(budget_bytes=1000, pin=False)
+    small, large = pool.acquire(100), pool.acquire(300)
+    pool.release(small)
+    pool.release(large)
+    assert pool.acquire(250) is large  # found behind a buffer of another size
+    assert pool.acquire(700) is not None and pool._free == []  # `small` evicted to make room
+    assert pool.allocated_bytes == 1000
+
+
 def test_forward_without_backward_returns_its_buffers():
     offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
     model = _model()

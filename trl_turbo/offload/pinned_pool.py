@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not tensor equality: buffers are found and removed by `is`
 class _Buffer:
     tensor: torch.Tensor  # uint8, page-locked unless pinning failed (or `pin=False`)
     ready: torch.cuda.Event | None = None  # the last copy reading it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 
 import pytest
 import torch
@@ -344,6 +345,12 @@ def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
     trainer.train()
     assert len(device) == 200
     assert max(device[20:]) - min(device[20:]) <= 1 << 20, "device memory grows across steps"
-    assert len(set(host[20:])) == 1 and host[-1] > 0, "pinned host memory grows across steps"
+    # Completion lengths vary, so the pool may grow when a step needs more than any before it; a leak instead
+    # grows it step after step (every checkpoint not handed back is a new buffer) until the budget refuses.
+    growth_steps = sum(later > earlier for earlier, later in itertools.pairwise(host[20:]))
+    assert host[-1] > 0 and growth_steps <= 5 and host[-1] <= 2 * host[20], f"pinned host memory grows: {host}"
+    kept = [log["offload/kept_on_device_gib"] for log in trainer.state.log_history
+            if "offload/kept_on_device_gib" in log]
+    assert len(kept) >= 100 and max(kept) == 0, "checkpoints stayed on the device: the pool ran out of budget"
     embed = trainer.model.get_base_model().get_input_embeddings()
     assert len(embed._forward_hooks) == 1

@@ -50,10 +50,11 @@ def _ids(batch=2, length=24, seed=0):
     return torch.randint(3, len(VOCAB), (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_offloaded_checkpoint_gradients_are_bitwise_those_of_plain_checkpointing():
-    ids = _ids()
+@pytest.mark.parametrize("chunk_bytes", [1 << 24, 1 << 12], ids=["one-chunk", "partial-last-chunk"])
+def test_offloaded_checkpoint_gradients_are_bitwise_those_of_plain_checkpointing(chunk_bytes):
+    ids = _ids()  # a layer input is 2 x 24 x 32 fp32 = 6144 bytes: 1.5 chunks of 4 KiB
     stock_loss, stock = _grads(_model(), ids)
-    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
+    offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0, chunk_bytes=chunk_bytes)
     turbo_loss, turbo = _grads(_model(), ids, runtime=CheckpointingRuntime(offloader))
     assert torch.equal(stock_loss, turbo_loss)
     assert stock.keys() == turbo.keys()
@@ -78,36 +79,37 @@ def test_host_buffers_are_recycled_across_steps():
     runtime = CheckpointingRuntime(offloader)
     _grads(model, _ids(), runtime=runtime)
     allocated = offloader.pool.allocated_bytes
-    assert allocated > 0 and len(offloader.pool._free) == 3  # every buffer back in the pool after backward
+    assert allocated > 0 and offloader.pool.free_bytes == allocated  # every chunk back in the pool after backward
     for seed in range(3):
         _grads(model, _ids(seed=seed), runtime=runtime)
         assert offloader.pool.allocated_bytes == allocated  # reused, not re-allocated
 
 
-def test_pool_budget_evicts_unused_buffers_and_refuses_beyond_it():
+def test_pool_refuses_beyond_its_budget_and_recycles_chunks_for_any_size():
     from trl_turbo.offload.pinned_pool import PinnedPool
 
-    pool = PinnedPool(budget_bytes=100, pin=False)
-    a = pool.acquire(60)
-    assert pool.acquire(60) is None  # 120 > 100 while `a` is in use
+    pool = PinnedPool(budget_bytes=4096, chunk_bytes=1024, pin=False)
+    a = pool.acquire(2500)  # 3 chunks
+    assert len(a.chunks) == 3 and pool.allocated_bytes == 3072
+    assert pool.acquire(1500) is None  # 2 more chunks would pass the budget while `a` is in use
+    assert [(offset, piece.numel()) for offset, piece in a.pieces()] == [(0, 1024), (1024, 1024), (2048, 452)]
     pool.release(a)
-    b = pool.acquire(50)  # reuses `a` (50 <= 60 <= 100)
-    assert b is a and pool.allocated_bytes == 60
+    b = pool.acquire(4000)  # a's 3 chunks + 1 new one
+    assert len(b.chunks) == 4 and pool.allocated_bytes == 4096 and pool.free_bytes == 0
     pool.release(b)
-    c = pool.acquire(90)  # does not fit `a`'s 60 bytes: `a` is evicted to make room
-    assert c is not None and pool.allocated_bytes == 90
+    c, d = pool.acquire(100), pool.acquire(3000)  # sizes unlike any before: served from the same chunks
+    assert c is not None and d is not None and pool.allocated_bytes == 4096
+    pool.release(c)
+    pool.release(d)
+    pool.close()
+    assert pool.allocated_bytes == 0 and pool.free_bytes == 0
 
 
-def test_pool_holds_buffers_of_many_sizes():
+def test_pool_chunks_are_powers_of_two():
     from trl_turbo.offload.pinned_pool import PinnedPool
 
-    pool = PinnedPool(budget_bytes=1000, pin=False)
-    small, large = pool.acquire(100), pool.acquire(300)
-    pool.release(small)
-    pool.release(large)
-    assert pool.acquire(250) is large  # found behind a buffer of another size
-    assert pool.acquire(700) is not None and pool._free == []  # `small` evicted to make room
-    assert pool.allocated_bytes == 1000
+    with pytest.raises(ValueError, match="power of two"):
+        PinnedPool(budget_bytes=1 << 30, chunk_bytes=3 << 20)
 
 
 def test_forward_without_backward_returns_its_buffers():
@@ -116,10 +118,10 @@ def test_forward_without_backward_returns_its_buffers():
     model.gradient_checkpointing_enable()
     install_runtime(model, CheckpointingRuntime(offloader))
     loss = model(_ids(), labels=_ids()).loss
-    assert offloader.pool._free == []
+    assert offloader.pool.free_bytes == 0 and offloader.pool.allocated_bytes > 0
     del loss
     gc.collect()
-    assert len(offloader.pool._free) == 3
+    assert offloader.pool.free_bytes == offloader.pool.allocated_bytes
 
 
 def test_inert_without_grad():
@@ -251,15 +253,18 @@ class _SlowCopies(CheckpointOffloader):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("offloader_cls", [CheckpointOffloader, _SlowCopies], ids=["streams", "slow-copies"])
-def test_gpu_offload_gradients_bitwise_equal(dtype, peft, offloader_cls):
-    """Offload on vs off (same checkpoint function, inputs kept on the device): bitwise equal gradients."""
-    ids = _ids(batch=4, length=256).cuda()
+@pytest.mark.parametrize(("offloader_cls", "chunk_bytes"), [(CheckpointOffloader, 1 << 24), (_SlowCopies, 1 << 24),
+                                                         (_SlowCopies, 1 << 12)],
+                         ids=["streams", "slow-copies", "slow-copies-16-chunks"])
+def test_gpu_offload_gradients_bitwise_equal(dtype, peft, offloader_cls, chunk_bytes):
+    """Offload on vs off (same checkpoint function, inputs kept on the device): bitwise equal gradients. A layer
+    input is 4 x 255 x 32 x 2 bytes: 16 chunks of 4 KiB, the last one partial."""
+    ids = _ids(batch=4, length=255).cuda()
     on_device = _gpu_grads(_gpu_model(dtype, peft), ids, None, peft)
     again = _gpu_grads(_gpu_model(dtype, peft), ids, None, peft)
     for name in on_device:  # without this, a nondeterministic kernel would read as an offload bug
         assert torch.equal(on_device[name], again[name]), f"the baseline itself is not deterministic: {name}"
-    offloader = offloader_cls(host_budget_bytes=1 << 40, min_bytes=0)
+    offloader = offloader_cls(host_budget_bytes=1 << 40, min_bytes=0, chunk_bytes=chunk_bytes)
     offloaded = _gpu_grads(_gpu_model(dtype, peft), ids, offloader, peft)
     assert on_device.keys() == offloaded.keys() and on_device
     for name in on_device:

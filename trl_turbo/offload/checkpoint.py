@@ -11,7 +11,7 @@ Where the saved input lives is decided by `CheckpointOffloader`:
   leaves the device, and it is the first one the backward pass needs.
 - Backward pass. When layer i's backward starts, layer i−1's input is prefetched on another side stream (`h2d`).
   It arrives while layer i recomputes and backpropagates. At most two layer inputs are on the device at once.
-- Budget. Host buffers come from a `PinnedPool`. It recycles them across steps and keeps its total under
+- Budget. Host chunks come from a `PinnedPool`. It recycles them across steps and keeps its total under
   `host_budget_bytes`. Inputs beyond the budget stay on the device. If page-locking fails, pageable memory
   is used, with one warning.
 - Without a device (CPU tensors) the same bookkeeping runs with synchronous copies, so tests exercise it.
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .pinned_pool import PinnedPool, _Buffer
+from .pinned_pool import DEFAULT_CHUNK_BYTES, HostBlocks, PinnedPool
 
 _recomputing: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_turbo_recomputing", default=False)
 
@@ -55,14 +55,14 @@ class OffloadStats:
 class _Slot:
     """One saved layer input: on the device, on the host, or back on the device."""
 
-    __slots__ = ("device_tensor", "host_tensor", "buffer", "pool", "prev", "produced", "offloaded", "arrived",
-                 "nbytes", "consumed", "__weakref__")
+    __slots__ = ("device_tensor", "host_blocks", "shape", "dtype", "pool", "prev", "produced", "offloaded",
+                 "arrived", "nbytes", "consumed", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, prev: _Slot | None, produced: torch.cuda.Event | None,
                  pool: PinnedPool) -> None:
         self.device_tensor: torch.Tensor | None = tensor
-        self.host_tensor: torch.Tensor | None = None
-        self.buffer: _Buffer | None = None
+        self.host_blocks: HostBlocks | None = None
+        self.shape, self.dtype = tensor.shape, tensor.dtype
         self.pool = pool
         self.prev = prev
         self.produced = produced
@@ -72,16 +72,17 @@ class _Slot:
         self.consumed = False
 
     def __del__(self) -> None:
-        # A forward pass whose backward never ran (an exception, a discarded graph): its buffer goes back
-        if self.buffer is not None:
-            self.pool.release(self.buffer)
+        # A forward pass whose backward never ran (an exception, a discarded graph): its chunks go back
+        if self.host_blocks is not None:
+            self.pool.release(self.host_blocks)
 
 
 class CheckpointOffloader:
     """Moves saved layer inputs to host memory and back, one layer ahead of the backward pass."""
 
-    def __init__(self, host_budget_bytes: int, *, min_bytes: int = 1 << 20) -> None:
-        self.pool = PinnedPool(host_budget_bytes, pin=torch.cuda.is_available())
+    def __init__(self, host_budget_bytes: int, *, min_bytes: int = 1 << 20,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.pool = PinnedPool(host_budget_bytes, chunk_bytes=chunk_bytes, pin=torch.cuda.is_available())
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
         # Weak: the autograd graph owns the slots; a graph dropped without backward frees them (and their buffers)
@@ -93,6 +94,7 @@ class CheckpointOffloader:
     def save(self, tensor: torch.Tensor) -> _Slot:
         """Take ownership of a layer input; the previously saved input (if still waiting) goes to the host now."""
         cuda = tensor.is_cuda
+        tensor = tensor if tensor.is_contiguous() else tensor.contiguous()  # copied out as flat bytes
         produced = None
         if cuda:
             produced = torch.cuda.Event()
@@ -100,31 +102,33 @@ class CheckpointOffloader:
         newest = self._newest() if self._newest is not None else None
         prev = newest if newest is not None and not newest.consumed else None
         slot = _Slot(tensor, prev, produced, self.pool)
-        if prev is not None and prev.device_tensor is not None and prev.host_tensor is None:
+        if prev is not None and prev.device_tensor is not None and prev.host_blocks is None:
             self._to_host(prev)
         self._newest = weakref.ref(slot)
         return slot
 
     def _to_host(self, slot: _Slot) -> None:
         tensor = slot.device_tensor
-        buffer = self.pool.acquire(slot.nbytes) if slot.nbytes >= self.min_bytes else None
-        if buffer is None:  # too small to be worth it, or over the host budget
+        blocks = self.pool.acquire(slot.nbytes) if slot.nbytes >= self.min_bytes else None
+        if blocks is None:  # too small to be worth it, or over the host budget
             self.stats.kept_on_device_bytes += slot.nbytes
             return
-        host = buffer.tensor[: slot.nbytes].view(tensor.dtype).view(tensor.shape)
+        flat = tensor.reshape(-1).view(torch.uint8)
         if tensor.is_cuda:
             d2h, _ = self._side_streams(tensor.device)
             d2h.wait_event(slot.produced)
-            if buffer.ready is not None:  # the copy that last read this buffer
-                d2h.wait_event(buffer.ready)
+            for event in blocks.pending_reads():  # copies that last read these chunks
+                d2h.wait_event(event)
             with torch.cuda.stream(d2h):
-                host.copy_(tensor, non_blocking=True)
+                for offset, piece in blocks.pieces():
+                    piece.copy_(flat[offset : offset + piece.numel()], non_blocking=True)
                 slot.offloaded = torch.cuda.Event()
                 slot.offloaded.record(d2h)
             tensor.record_stream(d2h)  # its memory is reused only after the copy has finished
         else:
-            host.copy_(tensor)
-        slot.buffer, slot.host_tensor, slot.device_tensor = buffer, host, None
+            for offset, piece in blocks.pieces():
+                piece.copy_(flat[offset : offset + piece.numel()])
+        slot.host_blocks, slot.device_tensor = blocks, None
         self.stats.offloaded_bytes += slot.nbytes
         self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self.pool.allocated_bytes)
 
@@ -146,25 +150,29 @@ class CheckpointOffloader:
         return tensor
 
     def _to_device(self, slot: _Slot) -> None:
-        host, buffer = slot.host_tensor, slot.buffer
-        slot.host_tensor = slot.buffer = None
+        blocks = slot.host_blocks
+        slot.host_blocks = None
         device = slot.produced.device if slot.produced is not None else None
         if device is None or device.type != "cuda":
-            slot.device_tensor = host.clone()
-            self.pool.release(buffer)
+            flat = torch.empty(slot.nbytes, dtype=torch.uint8)
+            for offset, piece in blocks.pieces():
+                flat[offset : offset + piece.numel()].copy_(piece)
+            slot.device_tensor = flat.view(slot.dtype).view(slot.shape)
+            self.pool.release(blocks)
             return
         _, h2d = self._side_streams(device)
-        # The copy back runs on another stream than the copy out: it must not read the buffer before it is written
-        # (the last layers' inputs are needed right after they were offloaded).
+        # The copy back runs on another stream than the copy out: it must not read the chunks before they are
+        # written (the last layers' inputs are needed right after they were offloaded).
         h2d.wait_event(slot.offloaded)
         with torch.cuda.stream(h2d):
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
-            tensor.copy_(host, non_blocking=True)
+            flat = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
+            for offset, piece in blocks.pieces():
+                flat[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
             slot.arrived = torch.cuda.Event()
             slot.arrived.record(h2d)
-        tensor.record_stream(torch.cuda.current_stream(device))
-        slot.device_tensor = tensor
-        self.pool.release(buffer, slot.arrived)  # reusable once this copy has read it
+        flat.record_stream(torch.cuda.current_stream(device))
+        slot.device_tensor = flat.view(slot.dtype).view(slot.shape)
+        self.pool.release(blocks, slot.arrived)  # reusable once this copy has read them
 
     def _wait(self, event: torch.cuda.Event) -> None:
         stream = torch.cuda.current_stream()

@@ -1,93 +1,112 @@
-"""Page-locked host buffers for checkpoint offload, recycled across steps and capped by a byte budget.
+"""Page-locked host storage for checkpoint offload: fixed-size chunks, recycled across steps, capped by a budget.
 
-Design: the buffers come from PyTorch's pinned allocator (`pin_memory=True`), which records the copies that use a
-block and frees nothing a copy still reads. Left to itself, though, that allocator caches every freed block forever,
-and it serves a request only from a cached block of a matching size. Checkpoints change size with every new
-completion length, so pinned memory would grow past host RAM. This pool therefore keeps its own buffers. A buffer is
-reused for any request between half its size and its size, and the pool's total never exceeds the budget. To make
-room, unused buffers are dropped and the allocator's free cached blocks are handed back to the OS
-(`torch._C._host_emptyCache`). When nothing fits, the caller keeps the checkpoint on the device.
+Design: a saved tensor lives in host memory as a list of equal chunks (16 MiB by default), copied chunk by chunk.
+PyTorch's pinned allocator (`pin_memory=True`) rounds every request up to a power of two, so a 2.002 GiB checkpoint
+(8 × 32K tokens of an 8B model) would take 4 GiB of page-locked RAM and exhaust the host at half the budget; a
+power-of-two chunk is allocated exactly. Equal chunks also make the pool a plain free list: any checkpoint fits any
+free chunks, sizes changing with every completion length never fragment it, and the pool's byte count is what the
+host really holds. When the budget is reached, `acquire` returns None and the caller keeps that checkpoint on the
+device. If page-locking fails, pageable chunks are used with one warning (their copies do not overlap compute).
 
-A buffer handed back after a host-to-device copy comes with that copy's CUDA event. The next device-to-host copy
-into it waits for the event on its own stream, so reuse never blocks the host.
+A chunk handed back after a host-to-device copy carries that copy's CUDA event. The next device-to-host copy into
+it waits for the event on its own stream, so reuse never blocks the host.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+DEFAULT_CHUNK_BYTES = 16 << 20
 
-@dataclass(eq=False)  # identity, not tensor equality: buffers are found and removed by `is`
-class _Buffer:
-    tensor: torch.Tensor  # uint8, page-locked unless pinning failed (or `pin=False`)
+
+@dataclass(eq=False)  # found and removed by identity, never by comparing tensors
+class _Chunk:
+    tensor: torch.Tensor  # uint8 [chunk_bytes], page-locked unless pinning failed (or `pin=False`)
     ready: torch.cuda.Event | None = None  # the last copy reading it
 
 
-class PinnedPool:
-    """Pinned host buffers: `acquire(nbytes)` → buffer or None (over budget); `release(buffer, ready_event)`."""
+@dataclass(eq=False)
+class HostBlocks:
+    """Host storage of one saved tensor: `nbytes` spread over equal chunks."""
 
-    def __init__(self, budget_bytes: int, *, pin: bool = True) -> None:
+    chunks: list[_Chunk]
+    nbytes: int
+    ready_events: list[torch.cuda.Event] = field(default_factory=list)
+
+    def pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """(byte offset, host view) per chunk, covering exactly `nbytes`."""
+        size = self.chunks[0].tensor.numel()
+        return [(i * size, c.tensor[: min(size, self.nbytes - i * size)]) for i, c in enumerate(self.chunks)]
+
+    def pending_reads(self) -> list[torch.cuda.Event]:
+        """Distinct events of copies that last read these chunks; a write into them must wait for each."""
+        events: list[torch.cuda.Event] = []
+        for chunk in self.chunks:
+            if chunk.ready is not None and all(chunk.ready is not e for e in events):
+                events.append(chunk.ready)
+        return events
+
+
+class PinnedPool:
+    """Pinned host chunks: `acquire(nbytes)` → HostBlocks or None (over budget); `release(blocks, ready_event)`."""
+
+    def __init__(self, budget_bytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool = True) -> None:
+        if chunk_bytes <= 0 or chunk_bytes & (chunk_bytes - 1):
+            raise ValueError(f"chunk_bytes must be a power of two, got {chunk_bytes}")
         self.budget_bytes = budget_bytes
+        self.chunk_bytes = chunk_bytes
         self.pin = pin
         self.allocated_bytes = 0
         self.peak_allocated_bytes = 0
-        self._free: list[_Buffer] = []
+        self._free: list[_Chunk] = []
         self._warned = False
 
-    def acquire(self, nbytes: int) -> _Buffer | None:
-        fitting = [b for b in self._free if nbytes <= b.tensor.numel() <= 2 * nbytes]
-        if fitting:
-            buffer = min(fitting, key=lambda b: b.tensor.numel())
-            self._free.remove(buffer)
-            return buffer
-        evicted = False
-        while self._free and self.allocated_bytes + nbytes > self.budget_bytes:
-            self._evict(max(self._free, key=lambda b: b.tensor.numel()))
-            evicted = True
-        if evicted:
-            _release_cached_pinned_memory()
-        if self.allocated_bytes + nbytes > self.budget_bytes:
+    def acquire(self, nbytes: int) -> HostBlocks | None:
+        needed = max(1, math.ceil(nbytes / self.chunk_bytes))
+        missing = max(0, needed - len(self._free))
+        if self.allocated_bytes + missing * self.chunk_bytes > self.budget_bytes:
             return None
-        buffer = _Buffer(self._allocate(nbytes))
-        self.allocated_bytes += buffer.tensor.numel()
+        chunks = [self._free.pop() for _ in range(needed - missing)]
+        chunks += [_Chunk(self._allocate()) for _ in range(missing)]
+        self.allocated_bytes += missing * self.chunk_bytes
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
-        return buffer
+        return HostBlocks(chunks, nbytes)
 
-    def release(self, buffer: _Buffer, ready: torch.cuda.Event | None = None) -> None:
-        buffer.ready = ready
-        self._free.append(buffer)
+    def release(self, blocks: HostBlocks, ready: torch.cuda.Event | None = None) -> None:
+        for chunk in blocks.chunks:
+            chunk.ready = ready
+        self._free.extend(blocks.chunks)
+        blocks.chunks = []
+
+    @property
+    def free_bytes(self) -> int:
+        return len(self._free) * self.chunk_bytes
 
     def close(self) -> None:
-        """Drop every unused buffer and return the allocator's free cached pinned blocks to the OS."""
-        while self._free:
-            self._evict(self._free[-1])
-        _release_cached_pinned_memory()
+        """Drop every unused chunk and return the allocator's free cached pinned blocks to the OS."""
+        self.allocated_bytes -= self.free_bytes
+        self._free.clear()  # the allocator itself waits for copies still using a block before reusing it
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None and torch.cuda.is_available():
+            empty_host_cache()
 
-    def _evict(self, buffer: _Buffer) -> None:
-        self._free.remove(buffer)  # the allocator itself waits for copies still using the block before reusing it
-        self.allocated_bytes -= buffer.tensor.numel()
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def _allocate(self) -> torch.Tensor:
         if self.pin:
             try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
             except RuntimeError as error:  # out of page-lockable memory: pageable still works, with blocking copies
                 if not self._warned:
                     warnings.warn(
-                        f"trl_turbo: could not pin {nbytes / 2**30:.2f} GiB of host memory for checkpoint offload "
-                        f"({error}); using pageable memory, whose copies do not overlap compute. Lower "
-                        "`turbo_offload_host_budget_gib` to keep more checkpoints on the GPU instead.",
+                        f"trl_turbo: could not pin host memory for checkpoint offload after "
+                        f"{self.allocated_bytes / 2**30:.2f} GiB ({error}); using pageable memory, whose copies do "
+                        "not overlap compute. Lower `turbo_offload_host_budget_gib` to keep more checkpoints on the "
+                        "GPU instead.",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=4,
                     )
                     self._warned = True
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _release_cached_pinned_memory() -> None:
-    empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-    if empty_host_cache is not None and torch.cuda.is_available():
-        empty_host_cache()
+        return torch.empty(self.chunk_bytes, dtype=torch.uint8)

@@ -85,9 +85,7 @@ def test_unknown_is_mode_fails_at_config_time(tmp_path):
         make(tmp_path, vllm_importance_sampling_mode="token_clip")
 
 
-@pytest.mark.parametrize(
-    "name", ["turbo_vllm_shared_weights", "turbo_vllm_standby", "turbo_liger_layers"]
-)
+@pytest.mark.parametrize("name", ["turbo_liger_layers"])
 def test_features_not_yet_implemented_refuse_to_be_enabled(tmp_path, name):
     with pytest.raises(NotImplementedError, match=f"`{name}=False`"):
         make(tmp_path, **{name: True})

@@ -18,11 +18,13 @@ from typing import Any
 
 from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, validate_loss_options
 
+# Model types whose vLLM implementation stores each HF weight as rows of one tensor (checked again at run time).
+SHARED_WEIGHT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 # Features whose implementation has not landed yet: their switch exists (so configs written today keep working), but
 # asking for them raises a clear error instead of silently training without them.
 _PENDING_FEATURES: dict[str, str] = {
-    "turbo_vllm_shared_weights": "vLLM sharing the training model's weights (trl_turbo issue #5)",
-    "turbo_vllm_standby": "vLLM standby that frees only the KV cache (trl_turbo issue #5)",
     "turbo_liger_layers": "Liger's fused RMSNorm/RoPE/SwiGLU layers (trl_turbo issue #8)",
 }
 
@@ -152,16 +154,28 @@ class TurboFields:
     turbo_vllm_shared_weights: bool = field(
         default=False,
         metadata={
-            "help": "With PEFT LoRA and vllm_mode='colocate': the training model's frozen base weights are views of "
-            "vLLM's weights (one copy) and the adapter goes to vLLM as tensors. (Not available yet: lands with "
-            "issue #5.)"
+            "help": "With a PEFT LoRA adapter, use_vllm=True and vllm_mode='colocate': the training model's frozen "
+            "base weights become views of the vLLM engine's weights, so one copy exists (vLLM starts with dummy "
+            "weights and receives the HF weights once), and each generation uses the live adapter through vLLM's "
+            "LoRA layers, handed over as tensors (no merge, no full-weight push, no files). Supported model "
+            "types: " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + "; single process, vllm_tensor_parallel_size=1."
         },
     )
     turbo_vllm_standby: bool = field(
         default=False,
         metadata={
-            "help": "While training runs, release only vLLM's KV cache and keep its weights in place. (Not available "
-            "yet: lands with issue #5.)"
+            "help": "With use_vllm=True and vllm_mode='colocate': release only vLLM's KV cache while training runs "
+            "and map it back before the next generation; vLLM's weights stay in place (TRL's "
+            "vllm_enable_sleep_mode drops and re-pushes them). Unless vllm_gpu_memory_utilization is changed from "
+            "TRL's default, the KV cache takes the device memory left after the weights, the trainable parameters "
+            "with their optimizer states and a margin."
+        },
+    )
+    turbo_vllm_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "dtype of the colocated vLLM engine's KV cache: 'auto' (the model dtype) or an fp8 format "
+            "('fp8', 'fp8_e4m3', 'fp8_e5m2'), which halves KV memory at a small cost in sampling precision."
         },
     )
     turbo_liger_layers: bool = field(
@@ -208,6 +222,7 @@ def validate(args: Any) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+    _validate_vllm(args)
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
         raise ValueError(
             f"Unknown `loss_type={args.loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "
@@ -240,3 +255,35 @@ def validate(args: Any) -> None:
         )
     if args.turbo_fused_loss:
         validate_loss_options(args)
+
+
+def _validate_vllm(args: Any) -> None:
+    if args.turbo_vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
+        raise ValueError(f"`turbo_vllm_kv_cache_dtype={args.turbo_vllm_kv_cache_dtype!r}` is not one of "
+                         f"{', '.join(VLLM_KV_CACHE_DTYPES)}.")
+    engine_features = [name for name in ("turbo_vllm_shared_weights", "turbo_vllm_standby") if getattr(args, name)]
+    if args.turbo_vllm_kv_cache_dtype != "auto":
+        engine_features.append("turbo_vllm_kv_cache_dtype")
+    if not engine_features:
+        return
+    wanted = " and ".join(f"`{name}`" for name in engine_features)
+    if not args.use_vllm or args.vllm_mode != "colocate":
+        raise ValueError(f"{wanted} configure the colocated vLLM engine: set `use_vllm=True` and "
+                         f"`vllm_mode='colocate'` (got use_vllm={args.use_vllm}, vllm_mode={args.vllm_mode!r}).")
+    memory_features = [name for name in ("turbo_vllm_shared_weights", "turbo_vllm_standby") if getattr(args, name)]
+    if memory_features and args.vllm_enable_sleep_mode:
+        raise ValueError(f"{' and '.join(memory_features)} keep vLLM's weights in place, which TRL's "
+                         "`vllm_enable_sleep_mode=True` would drop; set `vllm_enable_sleep_mode=False` "
+                         "(`turbo_vllm_standby=True` releases the KV cache instead).")
+    if args.turbo_vllm_shared_weights and args.vllm_tensor_parallel_size != 1:
+        raise ValueError("`turbo_vllm_shared_weights=True` needs whole weights in each engine: set "
+                         f"`vllm_tensor_parallel_size=1` (got {args.vllm_tensor_parallel_size}).")
+    if memory_features and args.world_size > 1:
+        raise ValueError(f"{' and '.join(memory_features)} are validated on one process only so far (world size "
+                         f"{args.world_size}); set them to False for this run (trl_turbo issue #7).")
+    from .patches.versions import VLLM_ENGINE, unsupported_reason
+
+    reason = unsupported_reason(VLLM_ENGINE)
+    if reason is not None:
+        raise ValueError(f"{wanted} need vLLM in the range trl_turbo's engine code is tested with: {reason}. "
+                         "Install it with `pip install 'trl-turbo[vllm]'`, or set them off.")

@@ -82,6 +82,12 @@ def _wrap_training_step(original):
             metrics["offload/host_peak_gib"].append(stats.host_bytes_peak / _GIB)
             metrics["offload/copy_wait_s"].append(stats.wait_s)
             metrics["offload/blocking_fetches"].append(float(stats.blocking_fetches))
+        generation = getattr(self, "vllm_generation", None)
+        if generation is not None:
+            from .trl_vllm import drain_metrics
+
+            for name, value in drain_metrics(generation).items():
+                self._metrics["train"][name].append(value)
         return loss
 
     return training_step

@@ -2,7 +2,8 @@
 
 While TRL's constructor runs, the trainer's GRPOConfig is visible through `constructing_config()`. Objects TRL builds
 inside it never receive the config, the vLLM engine among them, and this lets their patches read it. After the
-constructor, the model-side features are installed: lean norms, the checkpointing runtime, tiled MLPs.
+constructor, the model-side features are installed: lean norms, the checkpointing runtime, tiled MLPs. Before it,
+inputs that the shared-weights engine cannot serve are refused, so no model loads for a run that would fail.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def _wrap_init(original):
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        config = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        config = bound.get("args")
+        from .trl_vllm import check_trainer_inputs  # trl_vllm reads `constructing_config` from this module
+
+        check_trainer_inputs(config, bound.get("model"), bound.get("peft_config"))
         token = _constructing.set(config)
         try:
             original(self, *args, **kwargs)

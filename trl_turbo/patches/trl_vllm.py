@@ -1,56 +1,232 @@
-"""The colocated vLLM engine samples in the training precision.
+"""TRL's colocated vLLM engine (`trl.generation.vllm_generation.VLLMGeneration`): precision, shared weights,
+adapters as tensors, KV standby.
 
-TRL builds `vllm.LLM(...)` without a dtype, so vLLM takes the checkpoint's (usually bf16) even when training runs
-in fp16: a sampler/trainer precision mismatch of exactly the kind fp16 RL training is meant to remove (arXiv
-2510.26788). Seam: `VLLMGeneration._init_vllm`. For the duration of that call, the module attribute `LLM` it
-constructs from is wrapped to add `dtype` (an explicit dtype from TRL would win). Nothing else about the engine
-changes.
+Seams, all methods of `VLLMGeneration`:
+- `_init_vllm`: for the duration of the call, the module attribute `LLM` it constructs from gets extra arguments:
+  the training dtype (`turbo_vllm_match_precision`: TRL would leave a bf16 sampler under fp16 training, the
+  mismatch arXiv 2510.26788 removes), one LoRA slot and dummy weights (shared weights), CuMem pools and a KV budget
+  (standby), the KV dtype. After it, the HF weights are copied into vLLM once and the HF model's frozen weights
+  become views of vLLM's, and the KV cache is released.
+- `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
+  also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors.
+- `generate`: the KV cache is mapped back before and released after TRL's generation, and TRL's `llm.generate`
+  call carries the adapter's `LoRARequest`.
+Timings and memory go to the trainer's metrics under `vllm/`.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import time
 from typing import Any
 
-from ..config import TurboFields
+import torch
+
+from ..config import SHARED_WEIGHT_MODEL_TYPES, TurboFields
+from ..vllm.adapter import adapter_config_dict, adapter_problems, adapter_tensors, lora_engine_kwargs
+from ..vllm.kv_budget import auto_kv_cache_bytes, sampling_workspace_bytes
 from . import registry
 from .trl_trainer_init import constructing_config
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+_GIB = 2**30
+_TRL_DEFAULT_GPU_MEMORY_UTILIZATION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default in TRL 1.16
+
+
+def _setting(config: Any, name: str) -> Any:
+    return getattr(config, name, getattr(TurboFields, name))
 
 
 def vllm_dtype(generation: Any) -> str | None:
     """The dtype vLLM should use for a `VLLMGeneration` built by a GRPOTrainer, or None to leave TRL's choice."""
     config = constructing_config()
-    enabled = getattr(config, "turbo_vllm_match_precision", TurboFields.turbo_vllm_match_precision)
-    if not enabled or generation.mode != "colocate":
+    if not _setting(config, "turbo_vllm_match_precision") or generation.mode != "colocate":
         return None
     return _DTYPES.get(str(generation.accelerator.mixed_precision))
+
+
+# ------------------------------------------------------------------------------------------ trainer inputs
+def check_trainer_inputs(config: Any, model: Any, peft_config: Any) -> None:
+    """Refuse, before the model loads, a shared-weights run that cannot share: no LoRA adapter, an adapter vLLM
+    cannot take, or a model type outside the supported families."""
+    if config is None or not _setting(config, "turbo_vllm_shared_weights"):
+        return
+    adapter = peft_config
+    if adapter is None and hasattr(model, "peft_config"):
+        adapter = model.peft_config.get(getattr(model, "active_adapter", "default"))
+    if adapter is None:
+        raise ValueError("`turbo_vllm_shared_weights=True` shares the frozen base weights of a LoRA run; full "
+                         "fine-tuning changes every weight each step. Pass a `peft_config=LoraConfig(...)` to "
+                         "GRPOTrainer, or set `turbo_vllm_shared_weights=False`.")
+    problems = adapter_problems(adapter)
+    if problems:
+        raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
+                         f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
+    model_type = _model_type(model, config)
+    if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
+        raise ValueError(f"`turbo_vllm_shared_weights=True` supports model types {', '.join(SHARED_WEIGHT_MODEL_TYPES)}"
+                         f"; this model is {model_type!r}. Set `turbo_vllm_shared_weights=False` for it.")
+
+
+def _model_type(model: Any, config: Any) -> str | None:
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        kwargs = config.model_init_kwargs or {}
+        hf_config = AutoConfig.from_pretrained(model, trust_remote_code=kwargs.get("trust_remote_code", False))
+    else:
+        hf_config = getattr(model, "config", None)
+    return getattr(hf_config, "model_type", None)
+
+
+# ------------------------------------------------------------------------------------------------- engine
+def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    dtype = vllm_dtype(generation)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if generation.mode != "colocate" or config is None:
+        return kwargs
+    if _setting(config, "turbo_vllm_kv_cache_dtype") != "auto":
+        kwargs["kv_cache_dtype"] = config.turbo_vllm_kv_cache_dtype
+    shared, standby = _setting(config, "turbo_vllm_shared_weights"), _setting(config, "turbo_vllm_standby")
+    if shared:
+        peft_model = generation.model
+        kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
+        kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
+    if standby:
+        kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
+        if config.vllm_gpu_memory_utilization == _TRL_DEFAULT_GPU_MEMORY_UTILIZATION:
+            kwargs["kv_cache_memory_bytes"] = _kv_budget(generation, shared)
+    return kwargs
+
+
+def _kv_budget(generation: Any, shared: bool) -> int:
+    model = generation.model
+    free, total = torch.cuda.mem_get_info(generation.accelerator.device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    text_config = model.config.get_text_config()
+    return auto_kv_cache_bytes(
+        free_bytes=free, total_bytes=total, vllm_weight_bytes=weights, trainable_params=trainable,
+        sampling_workspace_bytes=sampling_workspace_bytes(4096, text_config.vocab_size, text_config.hidden_size),
+    )
+
+
+class _EngineState:
+    """What trl_turbo keeps per engine: the adapter channel, the standby, the current request, pending metrics."""
+
+    def __init__(self) -> None:
+        self.adapters: Any = None
+        self.standby: Any = None
+        self.lora_request: Any = None
+        self.shared_bytes = 0
+        self.metrics: dict[str, float] = {}
 
 
 def _wrap_init_vllm(original):
     @functools.wraps(original)
     def _init_vllm(self):
-        dtype = vllm_dtype(self)
+        config = constructing_config()
+        kwargs = _engine_kwargs(self, config)
         module = sys.modules[original.__module__]
         llm_cls = getattr(module, "LLM", None)
-        if dtype is None or llm_cls is None:
+        if not kwargs or llm_cls is None:
             return original(self)
 
-        def llm_in_training_precision(*args, **kwargs):
-            return llm_cls(*args, **{"dtype": dtype, **kwargs})
+        def llm_with_turbo_arguments(*args, **llm_kwargs):
+            return llm_cls(*args, **{**llm_kwargs, **kwargs})
 
-        module.LLM = llm_in_training_precision
+        module.LLM = llm_with_turbo_arguments
         try:
-            return original(self)
+            result = original(self)
         finally:
             module.LLM = llm_cls
+        if _setting(config, "turbo_vllm_shared_weights") or _setting(config, "turbo_vllm_standby"):
+            _start_engine_features(self, config)
+        return result
 
     return _init_vllm
+
+
+def _start_engine_features(generation: Any, config: Any) -> None:
+    from . import vllm_engine
+
+    state = _EngineState()
+    if config.turbo_vllm_shared_weights:
+        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model)
+        state.adapters = vllm_engine.TensorAdapters(generation.llm)
+    if config.turbo_vllm_standby:
+        state.standby = vllm_engine.KVStandby(generation.llm)
+        state.standby.release()
+    generation._trl_turbo_engine = state
+
+
+# ------------------------------------------------------------------------------------------ sync / generate
+def _wrap_sync_weights(original):
+    @functools.wraps(original)
+    def sync_weights(self):
+        state = getattr(self, "_trl_turbo_engine", None)
+        start = time.perf_counter()
+        if state is None or state.adapters is None:
+            result = original(self)
+        else:
+            model = self.model
+            adapter = model.peft_config[model.active_adapter]
+            tensors = adapter_tensors(model, model.active_adapter)
+            state.lora_request = state.adapters.push(tensors, adapter_config_dict(adapter))
+            result = None
+        if state is not None:
+            state.metrics["vllm/weight_sync_s"] = time.perf_counter() - start
+        return result
+
+    return sync_weights
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        state = getattr(self, "_trl_turbo_engine", None)
+        if state is None:
+            return original(self, *args, **kwargs)
+        device = self.accelerator.device
+        state.metrics["vllm/train_peak_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
+        start = time.perf_counter()
+        if state.standby is not None:
+            state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB
+        llm_generate = self.llm.generate
+        if state.lora_request is not None:
+            self.llm.generate = functools.partial(llm_generate, lora_request=state.lora_request)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if state.lora_request is not None:
+                del self.llm.generate  # back to the class's method
+            free, total = torch.cuda.mem_get_info(device)
+            state.metrics["vllm/generation_used_gib"] = (total - free) / _GIB
+            if state.standby is not None:
+                state.metrics["vllm/kv_released_gib"] = state.standby.release() / _GIB
+            state.metrics["vllm/generation_s"] = time.perf_counter() - start
+            torch.cuda.reset_peak_memory_stats(device)
+
+    return generate
+
+
+def drain_metrics(generation: Any) -> dict[str, float]:
+    """The engine metrics gathered since the last call (empty without trl_turbo's engine features)."""
+    state = getattr(generation, "_trl_turbo_engine", None)
+    if state is None:
+        return {}
+    metrics, state.metrics = state.metrics, {}
+    if state.shared_bytes:
+        metrics["vllm/shared_weights_gib"] = state.shared_bytes / _GIB
+    return metrics
 
 
 def apply() -> None:
     from trl.generation.vllm_generation import VLLMGeneration
 
-    registry.set_attr(VLLMGeneration, "_init_vllm", _wrap_init_vllm(VLLMGeneration.__dict__["_init_vllm"]))
+    for name, wrap in (("_init_vllm", _wrap_init_vllm), ("sync_weights", _wrap_sync_weights),
+                       ("generate", _wrap_generate)):
+        registry.set_attr(VLLMGeneration, name, wrap(VLLMGeneration.__dict__[name]))

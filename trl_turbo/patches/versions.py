@@ -22,6 +22,8 @@ SUPPORTED_OPTIONAL: dict[str, tuple[str, str]] = {
     "vllm": ("0.22.0", "0.32.0"),
     "peft": ("0.17.0", "1.0.0"),
 }
+# vLLM for the engine features (shared weights, standby, adapters from tensors), which use vLLM's worker internals.
+VLLM_ENGINE: dict[str, tuple[str, str]] = {"vllm": ("0.24.0", "0.25.0")}
 
 
 def installed_version(package: str) -> str | None:

@@ -1,0 +1,260 @@
+"""CPU side of the shared-weights vLLM engine: HF ↔ vLLM layout planning, sharing against a stand-in vLLM model,
+the adapter as vLLM takes it, the KV budget, and config/trainer-input validation."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from trl_turbo.patches import vllm_engine
+from trl_turbo.testing.models import ARCHITECTURES, tiny_model
+from trl_turbo.testing.tokenizer import VOCAB
+from trl_turbo.vllm.adapter import adapter_problems, adapter_tensors, lora_engine_kwargs
+from trl_turbo.vllm.kv_budget import auto_kv_cache_bytes
+from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+VOCAB_PADDING = 64
+
+
+class StandInVllmModel(torch.nn.Module):
+    """What vLLM 0.24 builds for these families, reduced to the layout: q/k/v and gate/up stacked along rows in
+    `packed_modules_mapping` order, vocabulary padded to a multiple of 64, LoRA-wrapped layers' weights under
+    `.base_layer`, tied heads aliasing the embedding, dummy values until `load_weights`."""
+
+    packed_modules_mapping = PACKED
+
+    def __init__(self, hf_model: torch.nn.Module, shard_order: dict[str, list[str]] = PACKED) -> None:
+        super().__init__()
+        self._order = shard_order
+        self._where: dict[str, tuple[str, int]] = {}
+        shapes: dict[str, list[int]] = {}
+        tied = hf_model.config.tie_word_embeddings
+        # a PEFT-injected model: its base weights, not its adapter
+        hf_state = {n.replace(".base_layer", ""): t for n, t in hf_model.state_dict().items() if "lora_" not in n}
+        for name, tensor in hf_state.items():
+            if tied and name == "lm_head.weight":
+                continue
+            module, _, leaf = name.rpartition(".")
+            parent, _, child = module.rpartition(".")
+            packed = next((p for p, shards in shard_order.items() if child in shards), None)
+            if packed is None:
+                rows = tensor.shape[0]
+                if "embed_tokens" in name or "lm_head" in name:
+                    rows = -(-rows // VOCAB_PADDING) * VOCAB_PADDING
+                shapes[name] = [rows, *tensor.shape[1:]]
+                self._where[name] = (name, 0)
+                continue
+            target = f"{parent}.{packed}.base_layer.{leaf}"
+            shards = [hf_state[f"{parent}.{s}.{leaf}"] for s in shard_order[packed]]
+            before = shard_order[packed].index(child)
+            self._where[name] = (target, sum(t.shape[0] for t in shards[:before]))
+            shapes[target] = [sum(t.shape[0] for t in shards), *tensor.shape[1:]]
+        self._params = torch.nn.ParameterDict()
+        for name, shape in shapes.items():
+            self._params[name.replace(".", "__")] = torch.nn.Parameter(
+                torch.empty(shape, dtype=hf_model.dtype).uniform_(-1e-3, 1e-3), requires_grad=False)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for key, param in self._params.items():
+            yield key.replace("__", "."), param
+
+    def param(self, name: str) -> torch.Tensor:
+        return self._params[name.replace(".", "__")]
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            if name not in self._where:
+                continue
+            target, offset = self._where[name]
+            self.param(target).data[offset : offset + tensor.shape[0]].copy_(tensor)
+
+
+def _hf_shapes(model):
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2}
+
+
+def _stand_in_shapes(stand_in):
+    return {n.replace(".base_layer", ""): tuple(p.shape) for n, p in stand_in.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_plan_maps_every_matrix_to_rows_holding_its_values(arch):
+    model = tiny_model(arch, vocab_size=len(VOCAB), tie_word_embeddings=arch.startswith("gemma"))
+    stand_in = StandInVllmModel(model)
+    stand_in.load_weights(model.state_dict().items())
+    views = plan_shared_views(_hf_shapes(model), _stand_in_shapes(stand_in), PACKED)
+    params = {n.replace(".base_layer", ""): p for n, p in stand_in.named_parameters()}
+    weights = dict(model.named_parameters())
+    assert {v.hf_name for v in views} == set(_hf_shapes(model))
+    for view in views:
+        assert torch.equal(params[view.vllm_name][view.start : view.stop], weights[view.hf_name]), view
+
+
+def test_plan_refuses_what_does_not_fit():
+    model = tiny_model("llama", vocab_size=len(VOCAB))
+    vllm_shapes = _stand_in_shapes(StandInVllmModel(model))
+    hf_shapes = _hf_shapes(model)
+    with pytest.raises(LayoutMismatch, match="has no parameter"):
+        plan_shared_views({**hf_shapes, "model.extra.weight": (4, 4)}, vllm_shapes, PACKED)
+    with pytest.raises(LayoutMismatch, match="does not fit"):
+        plan_shared_views({**hf_shapes, "model.norm.weight": (4, 4)}, {**vllm_shapes, "model.norm.weight": (2, 4)},
+                          PACKED)
+    without_q = {n: s for n, s in hf_shapes.items() if "layers.0.self_attn.q_proj" not in n}
+    with pytest.raises(LayoutMismatch, match="offset is unknown"):
+        plan_shared_views(without_q, vllm_shapes, PACKED)
+
+
+def _peft_model(arch="llama", dtype=torch.float32, tied=False):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(arch, vocab_size=len(VOCAB), dtype=dtype, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, param in peft_model.named_parameters():  # a trained-looking adapter: B is zero at init
+        if "lora_B" in name:
+            param.data.normal_(0, 0.1)
+    return peft_model
+
+
+def _loss_and_lora_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_sharing_makes_frozen_weights_views_and_leaves_training_unchanged(monkeypatch, tied):
+    model = _peft_model(tied=tied)
+    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0))
+    loss_before, grads_before = _loss_and_lora_grads(model, ids)
+    stand_in = StandInVllmModel(model.get_base_model())
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+
+    shared = vllm_engine.share_base_weights(object(), model)
+
+    storages = {p.untyped_storage().data_ptr() for _, p in stand_in.named_parameters()}
+    frozen = vllm_engine._frozen_matrix_weights(model.get_base_model())
+    assert frozen and all(w.untyped_storage().data_ptr() in storages for w in frozen.values())
+    assert shared == sum(w.numel() * w.element_size() for w in frozen.values())
+    assert all(p.untyped_storage().data_ptr() not in storages for n, p in model.named_parameters() if "lora_" in n)
+    loss_after, grads_after = _loss_and_lora_grads(model, ids)
+    assert torch.equal(loss_before, loss_after)
+    assert grads_before.keys() == grads_after.keys()
+    for name in grads_before:
+        assert torch.equal(grads_before[name], grads_after[name]), name
+
+
+def test_sharing_refuses_a_layout_whose_values_differ(monkeypatch):
+    model = _peft_model()
+    swapped = {"qkv_proj": ["k_proj", "q_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    stand_in = StandInVllmModel(model.get_base_model(), shard_order=swapped)  # stores K before Q
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(LayoutMismatch, match="differ"):
+        vllm_engine.share_base_weights(object(), model)
+    for name, param in model.named_parameters():  # nothing was re-pointed
+        assert torch.equal(param, before[name]), name
+
+
+def test_sharing_refuses_a_dtype_mismatch(monkeypatch):
+    model = _peft_model()
+    stand_in = StandInVllmModel(model.get_base_model())
+    for _, param in stand_in.named_parameters():
+        param.data = param.data.to(torch.bfloat16)
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+    with pytest.raises(LayoutMismatch, match="training precision"):
+        vllm_engine.share_base_weights(object(), model)
+
+
+# ---------------------------------------------------------------------------------------------------- adapter
+def test_adapter_tensors_have_checkpoint_names_and_are_copies():
+    model = _peft_model()
+    tensors = adapter_tensors(model)
+    lora_params = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(tensors) == len(lora_params) > 0
+    assert all(n.startswith("base_model.model.") and n.endswith(("lora_A.weight", "lora_B.weight")) for n in tensors)
+    assert not any(".default." in n for n in tensors)
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    live = lora_params["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]
+    assert torch.equal(tensors[name], live)
+    tensors[name].mul_(2.0)  # what vLLM's packing does to lora_B
+    assert not torch.equal(tensors[name], live)
+
+
+def test_adapter_limits_are_named():
+    from peft import LoraConfig
+
+    assert adapter_problems(LoraConfig(r=16)) == []
+    assert "DoRA" in " ".join(adapter_problems(LoraConfig(r=16, use_dora=True)))
+    assert "biases" in " ".join(adapter_problems(LoraConfig(r=16, bias="lora_only")))
+    assert "modules_to_save" in " ".join(adapter_problems(LoraConfig(r=16, modules_to_save=["lm_head"])))
+    assert "rank 1024" in " ".join(adapter_problems(LoraConfig(r=1024)))
+    assert lora_engine_kwargs(LoraConfig(r=16))["max_lora_rank"] == 16
+    assert lora_engine_kwargs(LoraConfig(r=12))["max_lora_rank"] == 16
+    assert lora_engine_kwargs(LoraConfig(r=8, rank_pattern={"q_proj": 40}))["max_lora_rank"] == 64
+
+
+# ------------------------------------------------------------------------------------------------- KV budget
+def test_kv_budget_is_what_is_left_after_persistent_memory():
+    gib = 2**30
+    budget = auto_kv_cache_bytes(free_bytes=120 * gib, total_bytes=140 * gib, vllm_weight_bytes=15 * gib,
+                                 trainable_params=40_000_000, sampling_workspace_bytes=2 * gib)
+    margin = 0.05 * 140 * gib
+    assert budget == int(120 * gib - 15 * gib - 40_000_000 * 12 - 2 * gib - margin)
+    with pytest.raises(ValueError, match="Not enough device memory"):
+        auto_kv_cache_bytes(free_bytes=20 * gib, total_bytes=140 * gib, vllm_weight_bytes=15 * gib,
+                            trainable_params=0, sampling_workspace_bytes=2 * gib)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _config(**kwargs):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **kwargs)
+
+
+def test_engine_switches_need_colocated_vllm():
+    for switch in ("turbo_vllm_shared_weights", "turbo_vllm_standby"):
+        with pytest.raises(ValueError, match="use_vllm=True"):
+            _config(**{switch: True})
+        with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+            _config(use_vllm=True, vllm_mode="server", **{switch: True})
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode=False"):
+        _config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True, turbo_vllm_standby=True)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1"):
+        _config(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2, turbo_vllm_shared_weights=True)
+    with pytest.raises(ValueError, match="not one of"):
+        _config(turbo_vllm_kv_cache_dtype="int4")
+
+
+def test_engine_switches_name_the_vllm_they_need(monkeypatch):
+    from trl_turbo.patches import versions
+
+    monkeypatch.setattr(versions, "installed_version", lambda package: "0.22.0" if package == "vllm" else None)
+    with pytest.raises(ValueError, match=r"vllm==0.22.0 \(supported: >=0.24.0,<0.25.0\).*trl-turbo\[vllm\]"):
+        _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_standby=True)
+
+
+def test_trainer_inputs_that_cannot_share_are_refused_before_loading():
+    from peft import LoraConfig
+
+    from trl_turbo.patches.trl_vllm import check_trainer_inputs
+
+    config = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
+    llama = tiny_model("llama", vocab_size=len(VOCAB))
+    check_trainer_inputs(config, llama, LoraConfig(r=8))
+    with pytest.raises(ValueError, match="peft_config=LoraConfig"):
+        check_trainer_inputs(config, llama, None)
+    with pytest.raises(ValueError, match="DoRA"):
+        check_trainer_inputs(config, llama, LoraConfig(r=8, use_dora=True))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2,
+                                                                 vocab_size=len(VOCAB)))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        check_trainer_inputs(config, gpt2, LoraConfig(r=8))
+    check_trainer_inputs(types.SimpleNamespace(turbo_vllm_shared_weights=False), gpt2, None)  # switch off: no check

@@ -1,0 +1,202 @@
+"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24; range in `versions.VLLM_ENGINE`).
+
+Three mechanisms, each on vLLM's own objects rather than re-implemented:
+- Weights. The model module comes from the worker (`worker.get_model()`, which unwraps CUDA-graph wrappers); HF
+  weights go in through the model's own `load_weights` (it stacks q/k/v and gate/up and pads the vocabulary).
+- Adapters from memory. The worker's LoRA manager loads an adapter when a request names an id it does not hold.
+  Its `_load_adapter` is wrapped on this engine's instance: ids this module handed out are built from tensors
+  (`LoRAModel.from_lora_tensors`, the same constructor vLLM's file loader ends in); others go to the file loader.
+  Each push gets a new id and name, so vLLM's adapter cache and prefix cache never serve a stale adapter.
+- KV standby. With `enable_sleep_mode=True` vLLM allocates its weights and its KV cache from tagged CuMem pools.
+  vLLM's `sleep()` unmaps both (the weights are then copied out or discarded), so standby unmaps only the
+  `kv_cache` allocations and maps them back at the same addresses before the next generation, then redoes what
+  vLLM's own wake-up does for the KV cache (`post_kv_cache_wake_up`, prefix-cache reset).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+ADAPTER_PATH = "trl-turbo://in-memory-adapter"  # never read: ids from `TensorAdapters` are built from tensors
+
+
+def driver_worker(llm: Any) -> Any:
+    executor = getattr(llm.llm_engine, "model_executor", None)
+    if executor is None:
+        raise RuntimeError("trl_turbo: vLLM runs its engine in another process; shared weights and standby need it "
+                           "in this one (TRL's colocate mode does this through `external_launcher`).")
+    worker = executor.driver_worker
+    return getattr(worker, "worker", worker)
+
+
+def driver_model(llm: Any) -> torch.nn.Module:
+    return driver_worker(llm).get_model()
+
+
+def load_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into vLLM's weights (in place)."""
+    driver_model(llm).load_weights(named_tensors)
+
+
+class TensorAdapters:
+    """Serves LoRA adapters to one engine from tensors; `push` returns the `LoRARequest` that selects the adapter."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.lora.peft_helper import PEFTHelper
+
+        self._manager = driver_worker(llm).model_runner.lora_manager
+        self._peft_helper = PEFTHelper
+        self._pending: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        file_loader = self._manager._load_adapter
+
+        def load_adapter(lora_request: Any) -> Any:
+            entry = self._pending.get(lora_request.lora_int_id)
+            return file_loader(lora_request) if entry is None else self._build(lora_request.lora_int_id, *entry)
+
+        self._manager._load_adapter = load_adapter
+
+    def push(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        adapter_id = next(self._ids)
+        self._pending = {adapter_id: (tensors, config)}  # only the newest adapter can be (re)loaded
+        return LoRARequest(lora_name=f"trl-turbo-policy-{adapter_id}", lora_int_id=adapter_id, lora_path=ADAPTER_PATH)
+
+    def _build(self, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
+        manager = self._manager
+        helper = self._peft_helper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        lora = manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=adapter_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        expected = _expected_lora_modules(manager._adapter_manager)
+        unmatched = sorted({name for name in lora.loras if name.rpartition(".")[2] not in expected})
+        n_sent = sum(name.endswith("lora_A.weight") for name in tensors)
+        if unmatched or len(lora.loras) != n_sent:
+            raise RuntimeError(f"trl_turbo: vLLM would not apply {n_sent - len(lora.loras) or len(unmatched)} of the "
+                               f"adapter's {n_sent} LoRA modules (unmatched: {unmatched[:5]}); refusing to sample "
+                               "from a partial adapter.")
+        return lora
+
+
+def _expected_lora_modules(adapter_manager: Any) -> set[str]:
+    packed = adapter_manager.packed_modules_mapping
+    expected = set()
+    for module in adapter_manager.supported_lora_modules:
+        expected.update(packed.get(module, [module]))
+    return expected
+
+
+class KVStandby:
+    """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        self._llm = llm
+        self._allocator = CuMemAllocator.get_instance()
+        self.released = False
+        self.bytes = sum(d.handle[1] for d in self._kv_allocations())
+        if self.bytes == 0:
+            raise RuntimeError("trl_turbo: vLLM allocated no KV cache from its sleep-mode pool; the engine must be "
+                               "built with `enable_sleep_mode=True`.")
+
+    def _kv_allocations(self) -> list[Any]:
+        return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
+
+    def release(self) -> int:
+        """Unmap the KV cache (its contents are discarded); returns the bytes freed."""
+        from vllm.device_allocator.cumem import unmap_and_release
+
+        if self.released:
+            return 0
+        self._llm.reset_prefix_cache()
+        torch.cuda.synchronize()
+        for data in self._kv_allocations():
+            unmap_and_release(data.handle)
+        self.released = True
+        return self.bytes
+
+    def restore(self) -> int:
+        """Map the KV cache back at its addresses and reinitialise what lives in it; returns the bytes mapped."""
+        if not self.released:
+            return 0
+        self._allocator.wake_up(tags=["kv_cache"])
+        driver_worker(self._llm).model_runner.post_kv_cache_wake_up()
+        self._llm.reset_prefix_cache()
+        self.released = False
+        return self.bytes
+
+
+# ------------------------------------------------------------------------------------------- shared weights
+def _frozen_matrix_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The frozen Linear/Embedding weights of an HF model (PEFT-wrapped or not), by plain HF name, each once."""
+    from ..vllm.weight_views import hf_weight_name
+
+    weights: dict[str, torch.nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if "lora_" in name or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        weight = module.weight
+        if weight.requires_grad or id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        weights[hf_weight_name(f"{name}.weight")] = weight
+    return weights
+
+
+def _hf_state_for_vllm(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """The base model's tensors under HF checkpoint names, as TRL's weight sync names them (adapter tensors left
+    out)."""
+    from ..vllm.weight_views import hf_weight_name
+
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or "original_module" in name or "modules_to_save" in name:
+            continue
+        yield hf_weight_name(name), tensor.detach()
+
+
+def share_base_weights(llm: Any, peft_model: Any) -> int:
+    """Load the HF weights into vLLM, then make the HF model's frozen matrices views of vLLM's tensors (checked
+    equal first). Returns the bytes now held once instead of twice."""
+    from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
+
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    vllm_model = driver_model(llm)
+    load_weights(llm, _hf_state_for_vllm(base))
+    frozen = _frozen_matrix_weights(base)
+    vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
+    views = plan_shared_views(
+        {name: tuple(w.shape) for name, w in frozen.items()},
+        {name: tuple(p.shape) for name, p in vllm_params.items()},
+        getattr(vllm_model, "packed_modules_mapping", {}),
+    )
+    targets = []
+    for view in views:
+        weight, target = frozen[view.hf_name], view_of(vllm_params[view.vllm_name], view)
+        if target.dtype != weight.dtype or target.device != weight.device:
+            raise LayoutMismatch(
+                f"{view.hf_name} is {weight.dtype} on {weight.device} in the training model but vLLM holds it as "
+                f"{target.dtype} on {target.device}; load the model in the training precision (e.g. "
+                "`model_init_kwargs={'dtype': 'bfloat16'}` with bf16=True) to share weights.")
+        if not torch.equal(target, weight.detach()):
+            raise LayoutMismatch(f"{view.hf_name}: vLLM's rows [{view.start}, {view.stop}) of {view.vllm_name} differ "
+                                 "from the HF weight after loading; refusing to share a layout that does not match.")
+        targets.append((weight, target))
+    shared = 0
+    for weight, target in targets:
+        weight.data = target
+        shared += target.numel() * target.element_size()
+    torch.cuda.empty_cache()
+    return shared

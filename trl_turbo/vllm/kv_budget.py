@@ -1,0 +1,40 @@
+"""How much device memory vLLM's KV cache may take when it stands by during training.
+
+Design: with standby, the KV cache is released before each training phase, so it never competes with training
+activations; it only has to fit next to what persists through generation: the (shared) weights, the trainable
+parameters with their gradients and optimizer states, and vLLM's own sampling workspace. At engine start the
+training model is on the device but its optimizer states are not yet allocated, and (for shared weights) vLLM's
+copy of the weights exists until the HF model is pointed at it. So: KV = free − vLLM's weights − trainable state
+− sampling workspace − a safety margin.
+"""
+
+from __future__ import annotations
+
+_GIB = 2**30
+# Adam keeps two fp32 moments per trainable parameter, plus the gradient and (with mixed precision) nothing else.
+_TRAINABLE_BYTES_PER_PARAM = 4 + 4 + 4
+_MARGIN_FRACTION = 0.05
+_MIN_MARGIN_BYTES = 2 * _GIB
+_MIN_KV_BYTES = 1 * _GIB
+
+
+def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes: int, trainable_params: int,
+                        sampling_workspace_bytes: int) -> int:
+    """The KV cache budget in bytes; raises ValueError when not even 1 GiB is left, naming what took the memory."""
+    margin = max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * total_bytes))
+    reserved = vllm_weight_bytes + trainable_params * _TRAINABLE_BYTES_PER_PARAM + sampling_workspace_bytes + margin
+    budget = free_bytes - reserved
+    if budget < _MIN_KV_BYTES:
+        raise ValueError(
+            f"Not enough device memory for vLLM's KV cache: {free_bytes / _GIB:.1f} GiB free, of which "
+            f"{vllm_weight_bytes / _GIB:.1f} GiB go to vLLM's weights, "
+            f"{trainable_params * _TRAINABLE_BYTES_PER_PARAM / _GIB:.1f} GiB to trainable parameters and their "
+            f"optimizer states, {sampling_workspace_bytes / _GIB:.1f} GiB to sampling and {margin / _GIB:.1f} GiB "
+            "kept as margin. Use a smaller model or set `vllm_gpu_memory_utilization` explicitly."
+        )
+    return int(budget)
+
+
+def sampling_workspace_bytes(max_num_batched_tokens: int, vocab_size: int, hidden_size: int) -> int:
+    """vLLM's activation peak for one scheduler step: fp32 logits of the step's tokens plus a few hidden states."""
+    return max_num_batched_tokens * (vocab_size * 4 + 16 * hidden_size * 4)

@@ -12,7 +12,7 @@ from trl_turbo.patches import vllm_engine
 from trl_turbo.testing.models import ARCHITECTURES, tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm.adapter import adapter_problems, adapter_tensors, lora_engine_kwargs
-from trl_turbo.vllm.kv_budget import auto_kv_cache_bytes
+from trl_turbo.vllm.kv_budget import auto_kv_cache_bytes, useful_kv_cache_bytes
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -201,13 +201,16 @@ def test_adapter_limits_are_named():
 # ------------------------------------------------------------------------------------------------- KV budget
 def test_kv_budget_is_what_is_left_after_persistent_memory():
     gib = 2**30
-    budget = auto_kv_cache_bytes(free_bytes=120 * gib, total_bytes=140 * gib, vllm_weight_bytes=15 * gib,
-                                 trainable_params=40_000_000, sampling_workspace_bytes=2 * gib)
+    common = {"total_bytes": 140 * gib, "vllm_weight_bytes": 15 * gib, "sampling_workspace_bytes": 2 * gib}
+    budget = auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=40_000_000, useful_bytes=1 << 50, **common)
     margin = 0.05 * 140 * gib
     assert budget == int(120 * gib - 15 * gib - 40_000_000 * 12 - 2 * gib - margin)
+    assert auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=0, useful_bytes=gib, **common) == gib
     with pytest.raises(ValueError, match="Not enough device memory"):
-        auto_kv_cache_bytes(free_bytes=20 * gib, total_bytes=140 * gib, vllm_weight_bytes=15 * gib,
-                            trainable_params=0, sampling_workspace_bytes=2 * gib)
+        auto_kv_cache_bytes(free_bytes=20 * gib, trainable_params=0, useful_bytes=1 << 50, **common)
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 dims x K and V x bf16 = 128 KiB per token
+    assert useful_kv_cache_bytes(max_num_seqs=8, max_model_len=4160, layers=32, kv_heads=8, head_dim=128,
+                                 dtype_bytes=2) == int(1.1 * 8 * 4160 * 128 * 1024)
 
 
 # ------------------------------------------------------------------------------------------------ validation

@@ -25,7 +25,7 @@ import torch
 
 from ..config import SHARED_WEIGHT_MODEL_TYPES, TurboFields
 from ..vllm.adapter import adapter_config_dict, adapter_problems, adapter_tensors, lora_engine_kwargs
-from ..vllm.kv_budget import auto_kv_cache_bytes, sampling_workspace_bytes
+from ..vllm.kv_budget import auto_kv_cache_bytes, sampling_workspace_bytes, useful_kv_cache_bytes
 from . import registry
 from .trl_trainer_init import constructing_config
 
@@ -98,19 +98,28 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
     if standby:
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
         if config.vllm_gpu_memory_utilization == _TRL_DEFAULT_GPU_MEMORY_UTILIZATION:
-            kwargs["kv_cache_memory_bytes"] = _kv_budget(generation, shared)
+            kwargs["kv_cache_memory_bytes"] = _kv_budget(generation, shared, _setting(config, "turbo_vllm_kv_cache_dtype"))
     return kwargs
 
 
-def _kv_budget(generation: Any, shared: bool) -> int:
+def _kv_budget(generation: Any, shared: bool, kv_cache_dtype: str) -> int:
     model = generation.model
     free, total = torch.cuda.mem_get_info(generation.accelerator.device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    text_config = model.config.get_text_config()
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_dtype_bytes = 1 if kv_cache_dtype.startswith("fp8") else 2
+    useful = useful_kv_cache_bytes(
+        max_num_seqs=generation.max_num_seqs or 256,
+        max_model_len=generation.max_model_length or text.max_position_embeddings,
+        layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        head_dim=head_dim, dtype_bytes=kv_dtype_bytes,
+    )
     return auto_kv_cache_bytes(
-        free_bytes=free, total_bytes=total, vllm_weight_bytes=weights, trainable_params=trainable,
-        sampling_workspace_bytes=sampling_workspace_bytes(4096, text_config.vocab_size, text_config.hidden_size),
+        free_bytes=free, total_bytes=total, vllm_weight_bytes=weights if shared else 0, trainable_params=trainable,
+        sampling_workspace_bytes=sampling_workspace_bytes(4096, text.vocab_size, text.hidden_size),
+        useful_bytes=useful,
     )
 
 

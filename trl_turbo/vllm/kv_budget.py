@@ -5,7 +5,7 @@ activations; it only has to fit next to what persists through generation: the (s
 parameters with their gradients and optimizer states, and vLLM's own sampling workspace. At engine start the
 training model is on the device but its optimizer states are not yet allocated, and (for shared weights) vLLM's
 copy of the weights exists until the HF model is pointed at it. So: KV = free − vLLM's weights − trainable state
-− sampling workspace − a safety margin.
+− sampling workspace − a safety margin, and never more than all scheduled sequences at full length can fill.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ _MIN_KV_BYTES = 1 * _GIB
 
 
 def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes: int, trainable_params: int,
-                        sampling_workspace_bytes: int) -> int:
-    """The KV cache budget in bytes; raises ValueError when not even 1 GiB is left, naming what took the memory."""
+                        sampling_workspace_bytes: int, useful_bytes: int) -> int:
+    """The KV cache budget in bytes: what is left, capped at `useful_bytes` (every sequence at full length); raises
+    ValueError when less than min(1 GiB, useful) is left, naming what took the memory."""
     margin = max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * total_bytes))
     reserved = vllm_weight_bytes + trainable_params * _TRAINABLE_BYTES_PER_PARAM + sampling_workspace_bytes + margin
     budget = free_bytes - reserved
-    if budget < _MIN_KV_BYTES:
+    if budget < min(_MIN_KV_BYTES, useful_bytes):
         raise ValueError(
             f"Not enough device memory for vLLM's KV cache: {free_bytes / _GIB:.1f} GiB free, of which "
             f"{vllm_weight_bytes / _GIB:.1f} GiB go to vLLM's weights, "
@@ -32,7 +33,14 @@ def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes:
             f"optimizer states, {sampling_workspace_bytes / _GIB:.1f} GiB to sampling and {margin / _GIB:.1f} GiB "
             "kept as margin. Use a smaller model or set `vllm_gpu_memory_utilization` explicitly."
         )
-    return int(budget)
+    return int(min(budget, useful_bytes))
+
+
+def useful_kv_cache_bytes(*, max_num_seqs: int, max_model_len: int, layers: int, kv_heads: int, head_dim: int,
+                          dtype_bytes: int) -> int:
+    """KV memory that lets every scheduled sequence reach the full model length (more is never used), +10%."""
+    per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    return int(1.1 * max_num_seqs * max_model_len * per_token)
 
 
 def sampling_workspace_bytes(max_num_batched_tokens: int, vocab_size: int, hidden_size: int) -> int:

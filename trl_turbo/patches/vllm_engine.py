@@ -38,8 +38,28 @@ def driver_model(llm: Any) -> torch.nn.Module:
 
 
 def load_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into vLLM's weights (in place)."""
-    driver_model(llm).load_weights(named_tensors)
+    """Copy HF-named tensors into vLLM's weights (in place), also into layers vLLM has wrapped for LoRA.
+
+    vLLM loads checkpoints before it wraps layers for LoRA; afterwards a wrapped layer's weight is registered as
+    `<module>.base_layer.weight` and its loader no longer finds `<module>.weight`. Names of wrapped modules (and of
+    the shards packed into them) therefore get `.base_layer` inserted; the loader's own q/k/v and gate/up renaming
+    then lands on the wrapped parameter.
+    """
+    model = driver_model(llm)
+    wrapped = {name.partition(".base_layer.")[0].rpartition(".")[2]
+               for name, _ in model.named_parameters(remove_duplicate=False) if ".base_layer." in name}
+    for packed, shards in getattr(model, "packed_modules_mapping", {}).items():
+        if packed in wrapped:
+            wrapped.update(shards)
+
+    def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            module, _, leaf = name.rpartition(".")
+            if module.rpartition(".")[2] in wrapped:
+                name = f"{module}.base_layer.{leaf}"
+            yield name, tensor
+
+    model.load_weights(renamed())
 
 
 class TensorAdapters:

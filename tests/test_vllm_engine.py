@@ -4,6 +4,8 @@ learning on a verifiable toy task with vLLM sampling."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import EOS_ID, VOCAB, build_tokenizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
 CAP = 16
 STEPS = 50
 

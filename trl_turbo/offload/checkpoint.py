@@ -120,14 +120,12 @@ class CheckpointOffloader:
             for event in blocks.pending_reads():  # copies that last read these chunks
                 d2h.wait_event(event)
             with torch.cuda.stream(d2h):
-                for offset, piece in blocks.pieces():
-                    piece.copy_(flat[offset : offset + piece.numel()], non_blocking=True)
+                blocks.store(flat, non_blocking=True)
                 slot.offloaded = torch.cuda.Event()
                 slot.offloaded.record(d2h)
             tensor.record_stream(d2h)  # its memory is reused only after the copy has finished
         else:
-            for offset, piece in blocks.pieces():
-                piece.copy_(flat[offset : offset + piece.numel()])
+            blocks.store(flat, non_blocking=False)
         slot.host_blocks, slot.device_tensor = blocks, None
         self.stats.offloaded_bytes += slot.nbytes
         self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self.pool.allocated_bytes)
@@ -155,8 +153,7 @@ class CheckpointOffloader:
         device = slot.produced.device if slot.produced is not None else None
         if device is None or device.type != "cuda":
             flat = torch.empty(slot.nbytes, dtype=torch.uint8)
-            for offset, piece in blocks.pieces():
-                flat[offset : offset + piece.numel()].copy_(piece)
+            blocks.load(flat, non_blocking=False)
             slot.device_tensor = flat.view(slot.dtype).view(slot.shape)
             self.pool.release(blocks)
             return
@@ -166,8 +163,7 @@ class CheckpointOffloader:
         h2d.wait_event(slot.offloaded)
         with torch.cuda.stream(h2d):
             flat = torch.empty(slot.nbytes, dtype=torch.uint8, device=device)
-            for offset, piece in blocks.pieces():
-                flat[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
+            blocks.load(flat, non_blocking=True)
             slot.arrived = torch.cuda.Event()
             slot.arrived.record(h2d)
         flat.record_stream(torch.cuda.current_stream(device))

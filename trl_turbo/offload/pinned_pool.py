@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,12 +35,21 @@ class HostBlocks:
 
     chunks: list[_Chunk]
     nbytes: int
-    ready_events: list[torch.cuda.Event] = field(default_factory=list)
 
     def pieces(self) -> list[tuple[int, torch.Tensor]]:
         """(byte offset, host view) per chunk, covering exactly `nbytes`."""
         size = self.chunks[0].tensor.numel()
         return [(i * size, c.tensor[: min(size, self.nbytes - i * size)]) for i, c in enumerate(self.chunks)]
+
+    def store(self, flat: torch.Tensor, *, non_blocking: bool) -> None:
+        """Copy `flat` (uint8, `nbytes`) into the chunks, on the current stream."""
+        for offset, piece in self.pieces():
+            piece.copy_(flat[offset : offset + piece.numel()], non_blocking=non_blocking)
+
+    def load(self, flat: torch.Tensor, *, non_blocking: bool) -> None:
+        """Copy the chunks into `flat` (uint8, `nbytes`), on the current stream."""
+        for offset, piece in self.pieces():
+            flat[offset : offset + piece.numel()].copy_(piece, non_blocking=non_blocking)
 
     def pending_reads(self) -> list[torch.cuda.Event]:
         """Distinct events of copies that last read these chunks; a write into them must wait for each."""
@@ -61,7 +70,6 @@ class PinnedPool:
         self.chunk_bytes = chunk_bytes
         self.pin = pin
         self.allocated_bytes = 0
-        self.peak_allocated_bytes = 0
         self._free: list[_Chunk] = []
         self._warned = False
 
@@ -73,7 +81,6 @@ class PinnedPool:
         chunks = [self._free.pop() for _ in range(needed - missing)]
         chunks += [_Chunk(self._allocate()) for _ in range(missing)]
         self.allocated_bytes += missing * self.chunk_bytes
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
         return HostBlocks(chunks, nbytes)
 
     def release(self, blocks: HostBlocks, ready: torch.cuda.Event | None = None) -> None:

@@ -31,7 +31,6 @@ from .trl_trainer_init import constructing_config
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 _GIB = 2**30
-_TRL_DEFAULT_GPU_MEMORY_UTILIZATION = 0.3  # GRPOConfig.vllm_gpu_memory_utilization's default in TRL 1.16
 
 
 def _setting(config: Any, name: str) -> Any:
@@ -97,9 +96,14 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
         kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
     if standby:
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
-        if config.vllm_gpu_memory_utilization == _TRL_DEFAULT_GPU_MEMORY_UTILIZATION:
+        if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
             kwargs["kv_cache_memory_bytes"] = _kv_budget(generation, shared, _setting(config, "turbo_vllm_kv_cache_dtype"))
     return kwargs
+
+
+def _trl_default(config: Any, name: str) -> Any:
+    """The default TRL's config class declares for field `name` (a value left at it counts as not chosen)."""
+    return type(config).__dataclass_fields__[name].default
 
 
 def _kv_budget(generation: Any, shared: bool, kv_cache_dtype: str) -> int:

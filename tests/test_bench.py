@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trl_turbo.bench import __main__ as cli
-from trl_turbo.bench import loss, results, train
+from trl_turbo.bench import e2e, loss, results, train
 from trl_turbo.bench.shapes import LOSS_PRESETS, SHAPES, build_config
 
 TOP_KEYS = {"benchmark", "commit", "dirty", "date", "gpu", "versions", "command", "config", "rows"}
@@ -172,3 +172,65 @@ def test_loss_implementations_agree():
 
 def test_table_without_results(tmp_path):
     assert results.render_table(tmp_path) == "_no results_\n"
+
+
+# ------------------------------------------------------------------------------------------------------- e2e
+def test_e2e_checkpoint_prompts_and_rewards(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = tmp_path / "ckpt"
+    identity = e2e.prepare_checkpoint("tiny", path, seed=0, device="cpu")
+    assert identity["shape"] == "tiny"
+    weights = path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert e2e.prepare_checkpoint("tiny", path, seed=0, device="cpu") == identity
+    assert weights.stat().st_mtime_ns == stamp  # reused, not rewritten
+    config = AutoConfig.from_pretrained(path)
+    assert (config.vocab_size, config.eos_token_id) == (SHAPES["tiny"]["vocab_size"], 1)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = e2e.prompts(3, 16, config.vocab_size, seed=0)
+    assert texts == e2e.prompts(3, 16, config.vocab_size, seed=0) and len(set(texts)) == 3
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        assert len(ids) == 16 and min(ids) >= 4
+    # every id a random model can sample decodes to a token of its own
+    assert tokenizer.decode(list(range(4, config.vocab_size))).split() == [f"t{i}" for i in range(4, config.vocab_size)]
+    assert tokenizer.eos_token_id == config.eos_token_id
+    rewards = e2e.hashed_reward(texts)
+    assert rewards == e2e.hashed_reward(texts) and len(set(rewards)) == 3
+    assert all(0 <= r < 1 for r in rewards)
+
+
+def _e2e_row(variant: str, step_s: float, peak: float) -> dict:
+    steps = [{"step_s": step_s * (1.5 if i == 0 else 1), "generate_s": step_s / 2, "sync_s": 0.1,
+              "generation_peak_gib": peak, "train_peak_gib": peak / 2, "peak_gib": peak} for i in range(3)]
+    return {"variant": variant, "ok": True, "generations": 8, "prompt_len": 64, "completion_len": 4096,
+            "distinct_weights_gib": 15.0, "timeline": [(0.0, 1.0), (1.0, peak)], "steps": steps,
+            **e2e.summarize(steps, warmup=1)}
+
+
+def test_e2e_results_summary_plot_and_table(tmp_path):
+    rows = [_e2e_row("stock", 30.0, 58.0), _e2e_row("turbo", 20.0, 29.0)]
+    assert rows[0]["step_s"] == 30.0  # the warm-up step (45 s) is left out of the median
+    assert rows[0]["peak_gib"] == 58.0 and rows[1]["sync_s"] == 0.1
+    meta = results.metadata("e2e", torch.device("cpu"), {"shape": "llama-3.1-8b"})
+    path = e2e.write_results(meta, rows, tmp_path, "e2e-llama-3.1-8b-test")
+    assert path.with_suffix(".png").stat().st_size > 0
+    assert "turbo" in e2e.format_row(rows[1]) and "FAILED" in e2e.format_row({"variant": "turbo", "ok": False})
+    table = results.render_table(tmp_path)
+    assert "### e2e: llama-3.1-8b" in table
+    assert "| 8 | 64 | 4096 | 58.00 | 29.00 | 0.50× | 30.00 | 20.00 | 0.67× |" in table
+
+
+def test_e2e_child_failure_becomes_a_row(tmp_path):
+    # On this machine the child cannot start vLLM (no GPU or no vLLM): the driver records why instead of raising
+    spec = {"variant": "stock", "shape": "tiny", "checkpoint": str(tmp_path / "missing"), "output_dir": str(tmp_path),
+            "generations": 2, "prompt_len": 4, "completion_len": 4, "steps": 1, "warmup": 0, "seed": 0}
+    row = e2e._run_child(spec, timeout_s=300)
+    assert row["variant"] == "stock" and row["ok"] is False and row["error"]
+
+
+def test_e2e_refuses_to_run_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA"):
+        cli.main(["e2e", "--shape", "tiny", "--out", str(tmp_path)])

@@ -12,7 +12,13 @@ from trl_turbo.patches import vllm_engine
 from trl_turbo.testing.models import ARCHITECTURES, tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm.adapter import adapter_problems, adapter_tensors, lora_engine_kwargs
-from trl_turbo.vllm.kv_budget import auto_kv_cache_bytes, useful_kv_cache_bytes
+from trl_turbo.vllm.kv_budget import (
+    PROMPT_ALLOWANCE_TOKENS,
+    auto_kv_cache_bytes,
+    expected_seq_len,
+    kv_bytes_per_token,
+    useful_kv_cache_bytes,
+)
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -210,9 +216,25 @@ def test_kv_budget_is_what_is_left_after_persistent_memory():
     assert auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=0, useful_bytes=gib, **common) == gib
     with pytest.raises(ValueError, match="Not enough device memory"):
         auto_kv_cache_bytes(free_bytes=20 * gib, trainable_params=0, useful_bytes=1 << 50, **common)
+
+
+
+def test_useful_kv_follows_the_expected_sequence_length():
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 dims x K and V x bf16 = 128 KiB per token
-    assert useful_kv_cache_bytes(max_num_seqs=8, max_model_len=4160, layers=32, kv_heads=8, head_dim=128,
-                                 dtype_bytes=2) == int(1.1 * 8 * 4160 * 128 * 1024)
+    per_token = kv_bytes_per_token(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert per_token == 128 * 1024
+    # vllm_max_model_length set: every sequence may reach it
+    seq_len = expected_seq_len(max_model_length=4160, max_completion_length=4096)
+    assert useful_kv_cache_bytes(max_num_seqs=8, seq_len=seq_len, max_model_len=4160,
+                                 per_token_bytes=per_token) == int(1.1 * 8 * 4160 * per_token)
+    # unset: the completion cap plus a prompt allowance, not the model's 128K context ...
+    seq_len = expected_seq_len(max_model_length=None, max_completion_length=4096)
+    assert seq_len == 4096 + PROMPT_ALLOWANCE_TOKENS
+    assert useful_kv_cache_bytes(max_num_seqs=64, seq_len=seq_len, max_model_len=131072,
+                                 per_token_bytes=per_token) == int(1.1 * 64 * seq_len * per_token)
+    # ... but never less than one full-context sequence, without which vLLM refuses to start
+    assert useful_kv_cache_bytes(max_num_seqs=8, seq_len=seq_len, max_model_len=131072,
+                                 per_token_bytes=per_token) == 131072 * per_token
 
 
 # ------------------------------------------------------------------------------------------------ validation

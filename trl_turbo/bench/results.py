@@ -44,6 +44,12 @@ _TABLE_LAYOUT: dict[str, dict[str, Any]] = {
         "key": ("micro_batch", "prompt_len", "completion_len", "tis"),
         "metrics": (("peak_gib", "peak GiB", "{:.2f}"), ("step_s", "step s", "{:.2f}")),
     },
+    "e2e": {
+        "impl": "variant",
+        "baseline": "stock",
+        "key": ("generations", "prompt_len", "completion_len"),
+        "metrics": (("peak_gib", "peak GiB", "{:.2f}"), ("step_s", "step s", "{:.2f}"), ("sync_s", "sync s", "{:.3f}")),
+    },
     "loss": {
         "impl": "impl",
         "baseline": "trl",

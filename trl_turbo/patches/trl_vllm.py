@@ -25,7 +25,13 @@ import torch
 
 from ..config import SHARED_WEIGHT_MODEL_TYPES, TurboFields
 from ..vllm.adapter import adapter_config_dict, adapter_problems, adapter_tensors, lora_engine_kwargs
-from ..vllm.kv_budget import auto_kv_cache_bytes, sampling_workspace_bytes, useful_kv_cache_bytes
+from ..vllm.kv_budget import (
+    auto_kv_cache_bytes,
+    expected_seq_len,
+    kv_bytes_per_token,
+    sampling_workspace_bytes,
+    useful_kv_cache_bytes,
+)
 from . import registry
 from .trl_trainer_init import constructing_config
 
@@ -113,12 +119,16 @@ def _kv_budget(generation: Any, shared: bool, kv_cache_dtype: str) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_dtype_bytes = 1 if kv_cache_dtype.startswith("fp8") else 2
+    per_token = kv_bytes_per_token(
+        layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        head_dim=head_dim, dtype_bytes=1 if kv_cache_dtype.startswith("fp8") else 2,
+    )
     useful = useful_kv_cache_bytes(
         max_num_seqs=generation.max_num_seqs or 256,
+        seq_len=expected_seq_len(max_model_length=generation.max_model_length,
+                                 max_completion_length=generation.max_completion_length),
         max_model_len=generation.max_model_length or text.max_position_embeddings,
-        layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=head_dim, dtype_bytes=kv_dtype_bytes,
+        per_token_bytes=per_token,
     )
     return auto_kv_cache_bytes(
         free_bytes=free, total_bytes=total, vllm_weight_bytes=weights if shared else 0, trainable_params=trainable,

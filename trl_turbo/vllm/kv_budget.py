@@ -5,7 +5,10 @@ activations; it only has to fit next to what persists through generation: the (s
 parameters with their gradients and optimizer states, and vLLM's own sampling workspace. At engine start the
 training model is on the device but its optimizer states are not yet allocated, and (for shared weights) vLLM's
 copy of the weights exists until the HF model is pointed at it. So: KV = free − vLLM's weights − trainable state
-− sampling workspace − a safety margin, and never more than all scheduled sequences at full length can fill.
+− sampling workspace − a safety margin, and never more than all scheduled sequences can fill. A sequence is as long
+as `vllm_max_model_length` when the user set it; otherwise as the completion cap plus a prompt allowance (the model's
+full context, often 128K tokens, would claim nearly the whole free memory for a cache GRPO never fills), but vLLM
+still needs room for one sequence of its full `max_model_len` to start.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ _TRAINABLE_BYTES_PER_PARAM = 4 + 4 + 4
 _MARGIN_FRACTION = 0.05
 _MIN_MARGIN_BYTES = 2 * _GIB
 _MIN_KV_BYTES = 1 * _GIB
+# Prompt tokens assumed per sequence when `vllm_max_model_length` is unset (GRPO prompts are rarely longer).
+PROMPT_ALLOWANCE_TOKENS = 2048
 
 
 def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes: int, trainable_params: int,
@@ -36,11 +41,21 @@ def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes:
     return int(min(budget, useful_bytes))
 
 
-def useful_kv_cache_bytes(*, max_num_seqs: int, max_model_len: int, layers: int, kv_heads: int, head_dim: int,
-                          dtype_bytes: int) -> int:
-    """KV memory that lets every scheduled sequence reach the full model length (more is never used), +10%."""
-    per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    return int(1.1 * max_num_seqs * max_model_len * per_token)
+def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def useful_kv_cache_bytes(*, max_num_seqs: int, seq_len: int, max_model_len: int, per_token_bytes: int) -> int:
+    """KV memory that lets every scheduled sequence reach `seq_len` tokens (more is never used), +10%; at least one
+    sequence of `max_model_len` tokens, the least vLLM starts with."""
+    expected = 1.1 * max_num_seqs * min(seq_len, max_model_len)
+    return int(max(expected, max_model_len) * per_token_bytes)
+
+
+def expected_seq_len(*, max_model_length: int | None, max_completion_length: int) -> int:
+    """Longest sequence a GRPO generation is expected to hold: the user's `vllm_max_model_length` when set."""
+    return max_model_length or max_completion_length + PROMPT_ALLOWANCE_TOKENS
 
 
 def sampling_workspace_bytes(max_num_batched_tokens: int, vocab_size: int, hidden_size: int) -> int:

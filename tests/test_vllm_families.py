@@ -1,0 +1,35 @@
+"""GPU + vLLM: the shared-weight engine for every supported model family (llama is covered at length by
+test_vllm_engine.py). Each family runs in a child process (one vLLM engine per process): one copy of the base
+weights, vLLM's samples scored by the live adapter before and after three GRPO steps, adapter sync in milliseconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trl_turbo.config import SHARED_WEIGHT_MODEL_TYPES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
+# Matrices of the tiny models: 7 projections in each of 2 layers, the embedding, and the LM head unless tied
+TIED = {"gemma", "gemma2", "gemma3_text"}
+
+
+@pytest.mark.parametrize("arch", [arch for arch in SHARED_WEIGHT_MODEL_TYPES if arch != "llama"])
+def test_family_shares_weights_and_samples_from_the_adapter(arch, tmp_path):
+    process = subprocess.run([sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path)],
+                             capture_output=True, text=True, timeout=600)
+    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    print(result)
+    expected = {"frozen_matrices": 2 * 7 + (1 if arch in TIED else 2), "second_copies": []}
+    assert result["copies_before"] == expected and result["copies_after"] == expected
+    for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
+        assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
+    assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5

@@ -1,0 +1,443 @@
+"""``python -m trl_turbo.bench e2e``: whole GRPO steps (vLLM generation, reward scoring, training) of stock TRL's
+colocated vLLM against trl_turbo's shared-weight engine.
+
+Design decision: each variant runs in its own child process, started one after the other by this command, on the
+same saved checkpoint, prompts, rewards and seeds. A vLLM engine lives as long as its process (its distributed state
+and CuMem pools are not meant to be torn down and rebuilt), and a process is what a user runs, so that is the unit
+measured. Device memory is sampled from the driver (``cudaMemGetInfo`` every 20 ms), because vLLM's pools bypass
+the statistics of torch's allocator; the step time is wall time between TRL's step callbacks, with the device
+synchronised. The instrumentation (timers around ``VLLMGeneration.generate``/``sync_weights`` on the instance, a
+callback) is the same for both variants and changes no behaviour. The checkpoint is a random-init model of a named
+shape, saved once with a word-level tokenizer over its whole vocabulary (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+from pathlib import Path
+from typing import Any
+
+from .results import DEFAULT_RESULTS_DIR, GIB
+from .shapes import SHAPES, build_config
+
+# What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
+# KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the
+# shared-weight engine with KV standby.
+VARIANT_CONFIG: dict[str, dict[str, Any]] = {
+    "stock": {"vllm_enable_sleep_mode": True},
+    "turbo": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True},
+}
+VARIANTS = tuple(VARIANT_CONFIG)
+CHECKPOINT_MARKER = "trl_turbo_checkpoint.json"
+SAMPLE_PERIOD_S = 0.02
+TIMELINE_PERIOD_S = 0.25
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint
+SPECIAL_TOKENS = ("<unk>", "<eos>", "<pad>", "<bos>")  # ids 0-3; the model config uses the same ids
+
+
+def wordlevel_tokenizer(vocab_size: int) -> Any:
+    """Ids 0-3 are special tokens, id i >= 4 is the word ``t{i}``, split on whitespace: every id a random model
+    samples decodes, and every prompt word is one token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    unk, eos, pad, bos = SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=unk, eos_token=eos, pad_token=pad,
+                                   bos_token=bos)
+
+
+def prepare_checkpoint(shape: str, path: Path, seed: int, device: str) -> dict[str, Any]:
+    """Save a random-init bf16 model of ``shape`` and its tokenizer to ``path`` (reused when already there)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    identity = {"shape": shape, "model_config": SHAPES[shape], "seed": seed}
+    marker = path / CHECKPOINT_MARKER
+    if marker.exists() and json.loads(marker.read_text()) == identity:
+        return identity
+    path.mkdir(parents=True, exist_ok=True)
+    config = build_config(shape)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 3, 1, 2
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    wordlevel_tokenizer(config.vocab_size).save_pretrained(path)
+    del model
+    marker.write_text(json.dumps(identity))
+    return identity
+
+
+def prompts(count: int, length: int, vocab_size: int, seed: int) -> list[str]:
+    """``count`` prompts of exactly ``length`` tokens, none of them special."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(f"t{rng.randrange(len(SPECIAL_TOKENS), vocab_size)}" for _ in range(length)) for _ in range(count)]
+
+
+def hashed_reward(completions: list[str], **_: Any) -> list[float]:
+    """A reward in [0, 1) that is a fixed function of the completion's text: the same for every variant, with a
+    spread, so advantages are not zero."""
+    return [zlib.crc32(text.encode()) % 1000 / 1000 for text in completions]
+
+
+# --------------------------------------------------------------------------------------------- instrumentation
+class MemorySampler:
+    """Samples device memory in use (driver view) on a thread; keeps per-phase peaks and a coarse timeline."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.phase = "setup"
+        self.peaks: dict[str, int] = {}
+        self.timeline: list[tuple[float, float]] = []
+        self._start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def used(self) -> int:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def take_peaks(self) -> dict[str, int]:
+        peaks, self.peaks = self.peaks, {}
+        return peaks
+
+    def _run(self) -> None:
+        last_point = -TIMELINE_PERIOD_S
+        while not self._stop.is_set():
+            used = self.used()
+            phase = self.phase
+            self.peaks[phase] = max(self.peaks.get(phase, 0), used)
+            now = time.perf_counter() - self._start
+            if now - last_point >= TIMELINE_PERIOD_S:
+                self.timeline.append((round(now, 2), round(used / GIB, 3)))
+                last_point = now
+            self._stop.wait(SAMPLE_PERIOD_S)
+
+
+def _timed(sampler: MemorySampler, phase: str, totals: dict[str, float], key: str, function: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        previous, sampler.phase = sampler.phase, phase
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+            sampler.phase = previous
+
+    return timed
+
+
+def weight_accounting(trainer: Any) -> dict[str, float]:
+    """GiB of HF parameters, of vLLM's parameters, of HF parameters that live inside vLLM's, and what is distinct."""
+    model = trainer.model
+    hf = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda"}
+    spans = []
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if llm is not None:
+        executor = llm.llm_engine.model_executor
+        worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
+        spans = [(p.data_ptr(), p.numel() * p.element_size()) for p in worker.get_model().parameters()]
+    vllm_bytes = sum(size for _, size in spans)
+    shared = sum(size for ptr, size in hf.items() if any(start <= ptr < start + n for start, n in spans))
+    hf_bytes = sum(hf.values())
+    return {"hf_weights_gib": hf_bytes / GIB, "vllm_weights_gib": vllm_bytes / GIB,
+            "hf_in_vllm_gib": shared / GIB, "distinct_weights_gib": (hf_bytes + vllm_bytes - shared) / GIB}
+
+
+def cumem_pools() -> dict[str, float]:
+    """GiB vLLM allocated in its sleep-mode pools, by tag (both variants run with those pools)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return {}
+    pools: dict[str, float] = {}
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        pools[f"vllm_pool_{data.tag}_gib"] = pools.get(f"vllm_pool_{data.tag}_gib", 0.0) + data.handle[1] / GIB
+    return pools
+
+
+# ---------------------------------------------------------------------------------------------------- worker
+_LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "vllm/weight_sync_s",
+           "vllm/generation_s", "vllm/kv_released_gib", "vllm/kv_restored_gib", "vllm/train_peak_gib",
+           "vllm/generation_used_gib", "sampling/sampling_logp_difference/mean",
+           "sampling/importance_sampling_ratio/mean")
+
+
+def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the trainer of one variant, train ``steps`` steps, return its row (runs in the child process)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    from . import set_patched
+
+    variant = spec["variant"]
+    set_patched(variant != "stock")
+    from trl import GRPOConfig, GRPOTrainer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.init()
+    row: dict[str, Any] = {"variant": variant, "shape": spec["shape"], "generations": spec["generations"],
+                           "prompt_len": spec["prompt_len"], "completion_len": spec["completion_len"], "ok": False,
+                           "error": None}
+    config = GRPOConfig(
+        output_dir=spec["output_dir"], seed=spec["seed"], bf16=True, beta=0.0, learning_rate=1e-5,
+        per_device_train_batch_size=spec["generations"], num_generations=spec["generations"],
+        max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
+        gradient_checkpointing=True, report_to="none", save_strategy="no",
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
+        generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
+        **VARIANT_CONFIG[variant],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    dataset = Dataset.from_dict({"prompt": prompts(spec["steps"], spec["prompt_len"], tokenizer.vocab_size,
+                                                   spec["seed"])})
+    steps: list[dict[str, Any]] = []
+    trainer = None
+    with MemorySampler(device) as sampler:
+        try:
+            start = time.perf_counter()
+            trainer = GRPOTrainer(
+                model=spec["checkpoint"], reward_funcs=hashed_reward, args=config, train_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+            )
+            torch.cuda.synchronize()
+            row["init_s"] = time.perf_counter() - start
+            row["init_used_gib"] = sampler.used() / GIB
+            row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
+            row.update(weight_accounting(trainer))
+            row.update(cumem_pools())
+            _instrument(trainer, sampler, steps)
+            trainer.train()
+            row["ok"] = True
+        except torch.OutOfMemoryError:
+            traceback.print_exc()
+            row["error"] = "OOM"
+        except Exception as exc:  # recorded, so the other variant still runs and the file is written
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        row["timeline"] = sampler.timeline
+    history = trainer.state.log_history if trainer is not None else []
+    logs = [{key: log[key] for key in _LOGGED if key in log} for log in history if "loss" in log]
+    for step, log in zip(steps, logs):
+        step.update(log)
+    row["steps"] = steps
+    row.update(summarize(steps, spec["warmup"]))
+    return row
+
+
+def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]]) -> None:
+    """Time generation and weight sync (on the instance) and record each step's time and phase peaks."""
+    import torch
+    from transformers import TrainerCallback
+
+    generation, phases = trainer.vllm_generation, {}
+    generation.generate = _timed(sampler, "generation", phases, "generate_s", generation.generate)
+    generation.sync_weights = _timed(sampler, "generation", phases, "sync_s", generation.sync_weights)
+
+    class StepRecorder(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.cuda.synchronize()
+            sampler.take_peaks()
+            sampler.phase = "train"
+            phases.clear()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.cuda.synchronize()
+            step_s = time.perf_counter() - self.start
+            peaks = sampler.take_peaks()
+            steps.append({"step_s": step_s, **phases,
+                          **{f"{phase}_peak_gib": used / GIB for phase, used in peaks.items()},
+                          "peak_gib": max(peaks.values(), default=0) / GIB})
+            sampler.phase = "between"
+
+    trainer.add_callback(StepRecorder())
+
+
+def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Medians over the steps after ``warmup``; the peak is the largest of any step, warm-up included."""
+    timed = steps[warmup:] or steps
+    summary: dict[str, Any] = {"peak_gib": max((s["peak_gib"] for s in steps), default=None)}
+    for key in ("step_s", "generate_s", "sync_s", "generation_peak_gib", "train_peak_gib"):
+        values = [s[key] for s in timed if key in s]
+        summary[key] = statistics.median(values) if values else None
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        spec_path, row_path = Path(scratch) / "spec.json", Path(scratch) / "row.json"
+        spec_path.write_text(json.dumps({**spec, "row_path": str(row_path)}))
+        try:
+            process = subprocess.run([sys.executable, "-m", "trl_turbo.bench.e2e", str(spec_path)],
+                                     timeout=timeout_s, check=False)
+            failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout_s:.0f} s"
+        if row_path.exists():
+            row = json.loads(row_path.read_text())
+        else:
+            row = {"variant": spec["variant"], "ok": False, "error": failure or "no result written"}
+    if failure and row.get("ok"):
+        row["error"] = failure  # e.g. a crash at interpreter exit after the measurement was written
+    return row
+
+
+def run(args: argparse.Namespace) -> Path:
+    from .results import metadata, write
+
+    import torch
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if set(variants) - set(VARIANTS):
+        raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type != "cuda":
+        raise SystemExit("the e2e benchmark runs vLLM: it needs a CUDA GPU")
+    checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}")
+    start = time.perf_counter()
+    prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda")
+    torch.cuda.empty_cache()
+    print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
+    config = {"shape": args.shape, "model_config": SHAPES[args.shape], "generations": args.generations,
+              "prompt_len": args.prompt_len, "completion_len": args.completion_len, "steps": args.steps,
+              "warmup": args.warmup, "variants": variants, "seed": args.seed,
+              "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "dtype": "bfloat16",
+              "variant_config": {v: VARIANT_CONFIG[v] for v in variants},
+              "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
+                                "generation_kwargs": {"ignore_eos": True},
+                                "vllm_max_model_length": args.prompt_len + args.completion_len}}
+    meta = metadata("e2e", device, config)
+    stem = f"e2e-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as output_dir:
+        for variant in variants:
+            spec = {"variant": variant, "checkpoint": str(checkpoint), "output_dir": output_dir, **config}
+            row = _run_child(spec, args.variant_timeout)
+            rows.append(row)
+            print(format_row(row), flush=True)
+            path = write_results(meta, rows, Path(args.out), stem)
+    print(f"wrote {path} (+ .png)")
+    return path
+
+
+def write_results(meta: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path, stem: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    plot(rows, f"e2e {meta['config']['shape']} on {meta['gpu']}", out_dir / f"{stem}.png")
+    return path
+
+
+def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
+    """Left: device memory in use over the run, per variant. Right: time per step, split into phases."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (memory, steps) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for row in rows:
+        if row.get("timeline"):
+            xs, ys = zip(*row["timeline"])
+            memory.plot(xs, ys, label=row["variant"], linewidth=1)
+    memory.set_xlabel("time since trainer construction (s)")
+    memory.set_ylabel("device memory in use (GiB)")
+    memory.grid(alpha=0.3)
+    names = [row["variant"] for row in rows if row.get("steps")]
+    for index, row in enumerate(r for r in rows if r.get("steps")):
+        sync = [s.get("sync_s", 0.0) for s in row["steps"]]
+        generate = [s.get("generate_s", 0.0) for s in row["steps"]]
+        rest = [s["step_s"] - g - y for s, g, y in zip(row["steps"], generate, sync)]
+        xs = [step + index * 0.4 for step in range(len(row["steps"]))]
+        steps.bar(xs, generate, width=0.4, color=f"C{index}", label=f"{row['variant']}: generation")
+        steps.bar(xs, sync, width=0.4, bottom=generate, color=f"C{index}", alpha=0.35,
+                  label=f"{row['variant']}: weight sync")
+        steps.bar(xs, rest, width=0.4, bottom=[g + y for g, y in zip(generate, sync)], color=f"C{index}", alpha=0.7,
+                  hatch="//", label=f"{row['variant']}: scoring + training")
+    steps.set_xlabel("step")
+    steps.set_ylabel("time (s)")
+    if names:
+        memory.legend(fontsize=8)
+        steps.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    from . import fmt
+
+    if not row.get("ok"):
+        return f"{row['variant']:>6} FAILED: {row.get('error')}"
+    return (f"{row['variant']:>6} peak={fmt(row['peak_gib'], '6.2f')} GiB (generation "
+            f"{fmt(row['generation_peak_gib'], '6.2f')}, training {fmt(row['train_peak_gib'], '6.2f')})  "
+            f"step={fmt(row['step_s'], '6.2f')} s  generate={fmt(row['generate_s'], '6.2f')} s  "
+            f"sync={fmt(row['sync_s'], '6.3f')} s  distinct weights={fmt(row['distinct_weights_gib'], '6.2f')} GiB")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("e2e", help="whole GRPO steps with colocated vLLM: stock TRL vs trl_turbo")
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--generations", type=int, default=8, help="completions per step (one prompt)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--completion-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")
+    parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
+    parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
+    parser.set_defaults(func=run)
+
+
+def _child_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    row = run_variant(spec)
+    Path(spec["row_path"]).write_text(json.dumps(row))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The measurement is saved; skip interpreter teardown, where an in-process vLLM engine can hang on exit.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])

@@ -1,0 +1,146 @@
+"""Checks of the shared-weight vLLM engine inside a real GRPOTrainer (GPU + vLLM), shared by the GPU tests.
+
+Design decision: one vLLM engine lives per process, so each model family is checked by running this module as a
+child process (``python -m trl_turbo.testing.vllm_checks <arch> <dir>``), which prints one ``RESULT {json}`` line;
+the test asserts on it. The checks compare log-probabilities, not greedy tokens, because a random-init model's
+logits are near ties and greedy tokens flip between kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trl_turbo.testing.tokenizer import EOS_ID, VOCAB, build_tokenizer
+
+
+@torch.no_grad()
+def stop_early(model: torch.nn.Module) -> None:
+    """Tilt the EOS row of the LM head so the random model ends after a few tokens (a length reward can rise)."""
+    weight = model.get_output_embeddings().weight
+    ids = torch.randint(3, weight.shape[0], (8, 24), generator=torch.Generator().manual_seed(0))
+    hidden = model(ids, output_hidden_states=True).hidden_states[-1].reshape(-1, weight.shape[1]).float()
+    direction = hidden.mean(0)
+    weight[EOS_ID] += (3.0 * direction / direction.pow(2).sum()).to(weight.dtype)
+
+
+def vllm_storage_spans(llm: Any) -> list[tuple[int, int]]:
+    from trl_turbo.patches.vllm_engine import driver_model
+
+    return [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
+            for _, p in driver_model(llm).named_parameters()]
+
+
+def weight_copies(trainer: Any) -> dict[str, Any]:
+    """How many frozen HF matrices there are, and which of them do not live inside vLLM's weights (a second copy)."""
+    from trl_turbo.patches.vllm_engine import _frozen_matrix_weights
+
+    spans = vllm_storage_spans(trainer.vllm_generation.llm)
+    frozen = _frozen_matrix_weights(trainer.model.get_base_model())
+    second = [name for name, weight in frozen.items()
+              if not any(start <= weight.data_ptr() < stop for start, stop in spans)]
+    return {"frozen_matrices": len(frozen), "second_copies": second}
+
+
+@torch.no_grad()
+def logprob_gaps(trainer: Any, prompts: int = 8, tokens: int = 8) -> tuple[float, float]:
+    """Sample with vLLM (live adapter); mean |Δ log-prob| of the sampled tokens against HF with the adapter and
+    against HF without it."""
+    from vllm import SamplingParams
+
+    generation = trainer.vllm_generation
+    state = generation._trl_turbo_engine
+    generation.sync_weights()
+    state.standby.restore()
+    token_ids = [[3 + (7 * i + j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
+    outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
+                                      SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0, ignore_eos=True,
+                                                     seed=0),
+                                      lora_request=state.lora_request, use_tqdm=False)
+    state.standby.release()
+    model = trainer.model
+    model.eval()
+    gaps: dict[str, list[torch.Tensor]] = {"adapter": [], "base": []}
+    for prompt, output in zip(token_ids, outputs):
+        completion = list(output.outputs[0].token_ids)
+        sampled = torch.tensor([lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, completion)])
+        ids = torch.tensor([prompt + completion], device=model.device)
+        for name in gaps:
+            if name == "base":
+                with model.disable_adapter():
+                    logits = model(ids).logits
+            else:
+                logits = model(ids).logits
+            logps = logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+            hf = logps.gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).cpu()
+            gaps[name].append((hf - sampled).abs().mean())
+    model.train()
+    return float(torch.stack(gaps["adapter"]).mean()), float(torch.stack(gaps["base"]).mean())
+
+
+def randomize_adapter(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Give LoRA's B matrices (zero at init) values, so the adapter visibly moves the samples."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std, generator=torch.Generator(param.device).manual_seed(0))
+
+
+def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, **config_overrides: Any) -> Any:
+    """A shared-weight, standby GRPOTrainer with colocated vLLM over a tiny random ``arch`` model saved at ``path``."""
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_turbo.tasks import arithmetic
+    from trl_turbo.tasks.arithmetic import make_length_reward
+    from trl_turbo.testing import parity
+    from trl_turbo.testing.models import tiny_model
+
+    model = tiny_model(arch, vocab_size=len(VOCAB), hidden_size=256, layers=2, dtype=torch.bfloat16, head_dim=64,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+    stop_early(model)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    config = GRPOConfig(**parity.base_config_kwargs(
+        str(path / "out"), use_cpu=False, bf16=True, use_vllm=True, vllm_mode="colocate",
+        turbo_vllm_shared_weights=True, turbo_vllm_standby=True, max_steps=steps, per_device_train_batch_size=8,
+        num_generations=8, max_completion_length=completion_cap, learning_rate=2e-3, optim="adamw_torch",
+        model_init_kwargs={"dtype": "bfloat16"}, **config_overrides,
+    ))
+    return GRPOTrainer(
+        model=str(path), reward_funcs=[make_length_reward(completion_cap)], args=config,
+        train_dataset=arithmetic.load_dataset("train").select(range(64)), processing_class=build_tokenizer(),
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0),
+    )
+
+
+def check_family(arch: str, path: Path, steps: int = 3) -> dict[str, Any]:
+    """One copy of the base weights, samples from the live adapter before and after training steps."""
+    import functools
+
+    import trl.generation.vllm_generation as vllm_generation
+
+    # Eager vLLM: compiling and capturing graphs would take most of each family's time and is not what is checked
+    vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
+    trainer = build_trainer(arch, path, steps=steps, completion_cap=8)
+    randomize_adapter(trainer.model)
+    result: dict[str, Any] = {"arch": arch, "copies_before": weight_copies(trainer)}
+    result["gaps_before"] = logprob_gaps(trainer)
+    trainer.train()
+    result["gaps_after"] = logprob_gaps(trainer)
+    result["copies_after"] = weight_copies(trainer)
+    result["weight_sync_s"] = [log["vllm/weight_sync_s"] for log in trainer.state.log_history
+                               if "vllm/weight_sync_s" in log]
+    return result
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(check_family(sys.argv[1], Path(sys.argv[2]))), flush=True)
+    sys.stdout.flush()
+    import os
+
+    os._exit(0)  # skip interpreter teardown of the in-process engine

@@ -60,11 +60,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "tiny": {
         "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128,
+        "intermediate_size": 256,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 2,  # head_dim 64: a size vLLM's attention kernels take, for a GPU smoke run of e2e
+        "num_key_value_heads": 1,
         "vocab_size": 512,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,

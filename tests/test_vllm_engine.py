@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     from transformers import TrainerCallback
 
     trainer = vllm_checks.build_trainer("llama", tmp_path_factory.mktemp("tiny-llama"), steps=STEPS,
-                                        completion_cap=CAP, tie_word_embeddings=False)
+                                        completion_cap=CAP)
     result = {"trainer": trainer, "copies": vllm_checks.weight_copies(trainer)}
     vllm_checks.randomize_adapter(trainer.model)
     result["gaps_before"] = vllm_checks.logprob_gaps(trainer)

@@ -156,6 +156,23 @@ def test_sharing_makes_frozen_weights_views_and_leaves_training_unchanged(monkey
         assert torch.equal(grads_before[name], grads_after[name]), name
 
 
+def test_parked_weights_are_shared_from_the_host(monkeypatch):
+    # On a CPU-only machine home and host are the same device; the GPU run moves them for real (bench e2e init peak)
+    model = _peft_model()
+    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0))
+    loss_before, _ = _loss_and_lora_grads(model, ids)
+    parked = vllm_engine.ParkedWeights(model)
+    assert parked.weights.keys() == vllm_engine._frozen_matrix_weights(model.get_base_model()).keys()
+    assert all(w.device.type == "cpu" for w in parked.weights.values())
+    stand_in = StandInVllmModel(model.get_base_model())
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+    assert vllm_engine.share_base_weights(object(), model, parked) > 0
+    parked.unpark()
+    storages = {p.untyped_storage().data_ptr() for _, p in stand_in.named_parameters()}
+    assert all(w.untyped_storage().data_ptr() in storages for w in parked.weights.values())
+    assert torch.equal(_loss_and_lora_grads(model, ids)[0], loss_before)
+
+
 def test_sharing_refuses_a_layout_whose_values_differ(monkeypatch):
     model = _peft_model()
     swapped = {"qkv_proj": ["k_proj", "q_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

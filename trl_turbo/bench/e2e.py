@@ -391,6 +391,8 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
                   label=f"{row['variant']}: weight sync")
         steps.bar(xs, rest, width=0.4, bottom=[g + y for g, y in zip(generate, sync)], color=f"C{index}", alpha=0.7,
                   hatch="//", label=f"{row['variant']}: scoring + training")
+    most = max((len(row["steps"]) for row in rows if row.get("steps")), default=0)
+    steps.set_xticks([step + 0.2 * (len(names) - 1) for step in range(most)], [str(step + 1) for step in range(most)])
     steps.set_xlabel("step")
     steps.set_ylabel("time (s)")
     if names:
@@ -407,7 +409,8 @@ def format_row(row: dict[str, Any]) -> str:
 
     if not row.get("ok"):
         return f"{row['variant']:>6} FAILED: {row.get('error')}"
-    return (f"{row['variant']:>6} peak={fmt(row['peak_gib'], '6.2f')} GiB (generation "
+    return (f"{row['variant']:>6} init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  "
+            f"step peak={fmt(row['peak_gib'], '6.2f')} GiB (generation "
             f"{fmt(row['generation_peak_gib'], '6.2f')}, training {fmt(row['train_peak_gib'], '6.2f')})  "
             f"step={fmt(row['step_s'], '6.2f')} s  generate={fmt(row['generate_s'], '6.2f')} s  "
             f"sync={fmt(row['sync_s'], '6.3f')} s  distinct weights={fmt(row['distinct_weights_gib'], '6.2f')} GiB")

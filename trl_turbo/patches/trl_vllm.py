@@ -5,8 +5,8 @@ Seams, all methods of `VLLMGeneration`:
 - `_init_vllm`: for the duration of the call, the module attribute `LLM` it constructs from gets extra arguments:
   the training dtype (`turbo_vllm_match_precision`: TRL would leave a bf16 sampler under fp16 training, the
   mismatch arXiv 2510.26788 removes), one LoRA slot and dummy weights (shared weights), CuMem pools and a KV budget
-  (standby), the KV dtype. After it, the HF weights are copied into vLLM once and the HF model's frozen weights
-  become views of vLLM's, and the KV cache is released.
+  (standby), the KV dtype. With shared weights the HF model's frozen matrices wait on the host during the call;
+  after it they are copied into vLLM once and become views of vLLM's, and the KV cache is released.
 - `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
   also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors.
 - `generate`: the KV cache is mapped back before and released after TRL's generation, and TRL's `llm.generate`
@@ -152,33 +152,43 @@ def _wrap_init_vllm(original):
     @functools.wraps(original)
     def _init_vllm(self):
         config = constructing_config()
-        kwargs = _engine_kwargs(self, config)
-        module = sys.modules[original.__module__]
-        llm_cls = getattr(module, "LLM", None)
-        if not kwargs or llm_cls is None:
-            return original(self)
+        shared = self.mode == "colocate" and config is not None and _setting(config, "turbo_vllm_shared_weights")
+        parked = None
+        if shared:
+            from . import vllm_engine
 
-        def llm_with_turbo_arguments(*args, **llm_kwargs):
-            return llm_cls(*args, **{**llm_kwargs, **kwargs})
-
-        module.LLM = llm_with_turbo_arguments
+            parked = vllm_engine.ParkedWeights(self.model)  # one copy on the device even while vLLM starts
         try:
-            result = original(self)
+            kwargs = _engine_kwargs(self, config)
+            module = sys.modules[original.__module__]
+            llm_cls = getattr(module, "LLM", None)
+            if not kwargs or llm_cls is None:
+                return original(self)
+
+            def llm_with_turbo_arguments(*args, **llm_kwargs):
+                return llm_cls(*args, **{**llm_kwargs, **kwargs})
+
+            module.LLM = llm_with_turbo_arguments
+            try:
+                result = original(self)
+            finally:
+                module.LLM = llm_cls
+            if shared or _setting(config, "turbo_vllm_standby"):
+                _start_engine_features(self, config, parked)
+            return result
         finally:
-            module.LLM = llm_cls
-        if _setting(config, "turbo_vllm_shared_weights") or _setting(config, "turbo_vllm_standby"):
-            _start_engine_features(self, config)
-        return result
+            if parked is not None:
+                parked.unpark()
 
     return _init_vllm
 
 
-def _start_engine_features(generation: Any, config: Any) -> None:
+def _start_engine_features(generation: Any, config: Any, parked: Any) -> None:
     from . import vllm_engine
 
     state = _EngineState()
     if config.turbo_vllm_shared_weights:
-        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model)
+        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked)
         state.adapters = vllm_engine.TensorAdapters(generation.llm)
     if config.turbo_vllm_standby:
         state.standby = vllm_engine.KVStandby(generation.llm)
@@ -217,6 +227,9 @@ def _wrap_generate(original):
         state.metrics["vllm/train_peak_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
         start = time.perf_counter()
         if state.standby is not None:
+            # The KV cache maps fresh device memory: blocks torch's allocator still caches from training would
+            # stack on top of it, so they go back to the driver first (stock TRL's sync does the same).
+            torch.cuda.empty_cache()
             state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB
         llm_generate = self.llm.generate
         if state.lora_request is not None:

@@ -7,6 +7,8 @@ Three mechanisms, each on vLLM's own objects rather than re-implemented:
   Its `_load_adapter` is wrapped on this engine's instance: ids this module handed out are built from tensors
   (`LoRAModel.from_lora_tensors`, the same constructor vLLM's file loader ends in); others go to the file loader.
   Each push gets a new id and name, so vLLM's adapter cache and prefix cache never serve a stale adapter.
+- One copy, also while starting: the training model's frozen matrices wait in host memory while vLLM allocates its
+  weights (`ParkedWeights`), are copied in, and come back as views of vLLM's tensors.
 - KV standby. With `enable_sleep_mode=True` vLLM allocates its weights and its KV cache from tagged CuMem pools.
   vLLM's `sleep()` unmaps both (the weights are then copied out or discarded), so standby unmaps only the
   `kv_cache` allocations and maps them back at the same addresses before the next generation, then redoes what
@@ -187,15 +189,40 @@ def _hf_state_for_vllm(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tens
         yield hf_weight_name(name), tensor.detach()
 
 
-def share_base_weights(llm: Any, peft_model: Any) -> int:
+def _base(model: Any) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class ParkedWeights:
+    """The frozen matrices of the training model, moved to host memory while vLLM allocates its own weights, so the
+    device never holds two copies. `share_base_weights` points them at vLLM's tensors; `unpark` brings back any that
+    were not (an error on the way), so the model is never left half on the host."""
+
+    def __init__(self, model: Any) -> None:
+        self.weights = _frozen_matrix_weights(_base(model))
+        self.home = {name: weight.device for name, weight in self.weights.items()}
+        for weight in self.weights.values():
+            weight.data = weight.data.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # vLLM sizes itself from the driver's free memory
+
+    def unpark(self) -> None:
+        for name, weight in self.weights.items():
+            if weight.device != self.home[name]:
+                weight.data = weight.data.to(self.home[name])
+
+
+def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None = None) -> int:
     """Load the HF weights into vLLM, then make the HF model's frozen matrices views of vLLM's tensors (checked
-    equal first). Returns the bytes now held once instead of twice."""
+    equal first). With `parked` weights (on the host for now) the views must sit on their home device. Returns the
+    bytes now held once instead of twice."""
     from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
 
-    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    base = _base(peft_model)
     vllm_model = driver_model(llm)
     load_weights(llm, _hf_state_for_vllm(base))
     frozen = _frozen_matrix_weights(base)
+    home = parked.home if parked is not None else {name: weight.device for name, weight in frozen.items()}
     vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
     views = plan_shared_views(
         {name: tuple(w.shape) for name, w in frozen.items()},
@@ -205,12 +232,12 @@ def share_base_weights(llm: Any, peft_model: Any) -> int:
     targets = []
     for view in views:
         weight, target = frozen[view.hf_name], view_of(vllm_params[view.vllm_name], view)
-        if target.dtype != weight.dtype or target.device != weight.device:
+        if target.dtype != weight.dtype or target.device != home[view.hf_name]:
             raise LayoutMismatch(
-                f"{view.hf_name} is {weight.dtype} on {weight.device} in the training model but vLLM holds it as "
+                f"{view.hf_name} is {weight.dtype} on {home[view.hf_name]} in the training model but vLLM holds it as "
                 f"{target.dtype} on {target.device}; load the model in the training precision (e.g. "
                 "`model_init_kwargs={'dtype': 'bfloat16'}` with bf16=True) to share weights.")
-        if not torch.equal(target, weight.detach()):
+        if not torch.equal(target, weight.detach().to(target.device)):
             raise LayoutMismatch(f"{view.hf_name}: vLLM's rows [{view.start}, {view.stop}) of {view.vllm_name} differ "
                                  "from the HF weight after loading; refusing to share a layout that does not match.")
         targets.append((weight, target))
@@ -218,5 +245,6 @@ def share_base_weights(llm: Any, peft_model: Any) -> int:
     for weight, target in targets:
         weight.data = target
         shared += target.numel() * target.element_size()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return shared

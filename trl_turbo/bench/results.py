@@ -32,6 +32,7 @@ _DISTRIBUTIONS = {
     "peft": "peft",
     "accelerate": "accelerate",
     "triton": "triton",
+    "vllm": "vllm",
     "liger_kernel": "liger-kernel",
     "trl_turbo": "trl-turbo",
 }
@@ -80,9 +81,14 @@ def metadata(benchmark: str, device: torch.device, config: dict[str, Any]) -> di
     versions["cuda"] = torch.version.cuda
     # The GPU machine receives a copy of the working tree without .git: the caller names the commit there
     # (TRL_TURBO_COMMIT=$(git rev-parse HEAD), set here before sending; dirty only if the tree was).
-    status = _git("status", "--porcelain", "--untracked-files=no")  # carried, untracked folders are not code
-    commit = _git("rev-parse", "HEAD") or os.environ.get("TRL_TURBO_COMMIT", "unknown")
-    dirty = bool(status) if status is not None else os.environ.get("TRL_TURBO_DIRTY", "1") != "0"
+    # The variables win when set: a copied tree may carry a stale .git of its own.
+    if os.environ.get("TRL_TURBO_COMMIT"):
+        commit = os.environ["TRL_TURBO_COMMIT"]
+        dirty = os.environ.get("TRL_TURBO_DIRTY", "1") != "0"
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no")  # carried, untracked folders are not code
+        commit = _git("rev-parse", "HEAD") or "unknown"
+        dirty = bool(status) if status is not None else True
     return {
         "benchmark": benchmark,
         "commit": commit,

@@ -1,11 +1,15 @@
 """Sequence-tiled MLP: a decoder layer's MLP computed over token tiles, so its working set is one tile's.
 
 Design: the dense gated MLPs of llama, qwen2/3, mistral and gemma act on each token independently. An autograd
-Function runs the MLP tile by tile under no_grad and saves only its input. Its backward pass recomputes one tile at
+Function runs the MLP tile by tile without keeping a graph and saves only its input. Its backward pass recomputes one tile at
 a time with grad and backpropagates through it, summing the parameters' (LoRA's) gradients over tiles and returning
 them once, so each parameter gets exactly one gradient per backward pass (as DDP requires). The
 [tokens, intermediate] activations (3.5× the hidden size, several of them) therefore exist for one tile only, not for
-the whole micro-batch. Gradients equal the plain MLP's up to float reassociation of the per-tile sums.
+the whole micro-batch. Gradients equal the plain MLP's up to float reassociation of the per-tile sums, which are
+accumulated in fp32 and rounded once. Parameters kept in bf16 (TRL's QLoRA casts LoRA weights to bf16) still round
+each tile's partial gradient inside its matmul: there, tiled and untiled gradients differ by a few bf16 ulps. The
+MLPs of bitsandbytes-quantized models run their forward tiles with autograd recording (one tile's graph at a time),
+because bitsandbytes picks a differently-rounding kernel for no-grad calls.
 
 Under trl_turbo's gradient checkpointing, the layer's recompute (`is_recomputing()`) only builds the graph for the
 backward pass; its output values are never read. Where the MLP output feeds the residual sum directly (no norm after
@@ -22,10 +26,15 @@ import torch
 from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing, restored_autocast
 
 
+def tile_spans(tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
+    """`[start, end)` token ranges of at most `tile_tokens`, covering `tokens`."""
+    return [(start, min(start + tile_tokens, tokens)) for start in range(0, tokens, tile_tokens)]
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, mlp_forward: Callable, tile_tokens: int, output_unused: bool, _force_grad: torch.Tensor,
-                x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, mlp_forward: Callable, tile_tokens: int, output_unused: bool, grad_path: bool,
+                _force_grad: torch.Tensor, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.mlp_forward, ctx.tile_tokens = mlp_forward, tile_tokens
         ctx.autocast = _autocast_state()
         ctx.x_requires_grad = x.requires_grad
@@ -33,8 +42,16 @@ class _TiledMLP(torch.autograd.Function):
         if output_unused:
             return torch.empty_like(x)
         flat = x.reshape(-1, x.shape[-1])
-        with torch.no_grad():
-            out = torch.cat([mlp_forward(tile) for tile in flat.split(tile_tokens)])
+        spans = tile_spans(flat.shape[0], tile_tokens)
+        if grad_path:
+            # Quantized layers that pick another kernel without autograd: run each tile as the untiled MLP runs (a
+            # graph for one tile at a time, dropped at once), so the values are the same as without tiles.
+            with torch.enable_grad():
+                out = torch.cat([mlp_forward(flat[start:end].detach().requires_grad_()).detach()
+                                 for start, end in spans])
+        else:
+            with torch.no_grad():
+                out = torch.cat([mlp_forward(flat[start:end]) for start, end in spans])
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -47,8 +64,7 @@ class _TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(flat) if ctx.x_requires_grad else None
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         with restored_autocast(ctx.autocast), torch.enable_grad():
-            for start in range(0, flat.shape[0], ctx.tile_tokens):
-                end = min(start + ctx.tile_tokens, flat.shape[0])
+            for start, end in tile_spans(flat.shape[0], ctx.tile_tokens):
                 tile = flat[start:end].detach().requires_grad_(ctx.x_requires_grad)
                 inputs = ([tile] if ctx.x_requires_grad else []) + list(params)
                 grads = torch.autograd.grad(ctx.mlp_forward(tile), inputs, grad_flat[start:end], allow_unused=True)
@@ -57,9 +73,13 @@ class _TiledMLP(torch.autograd.Function):
                     grads = grads[1:]
                 for i, grad in enumerate(grads):
                     if grad is not None:
+                        # Summed in fp32 and rounded once, as one untiled matmul would: low-precision parameters
+                        # (bf16 LoRA weights, e.g. TRL's QLoRA) would otherwise round every tile's partial sum.
+                        grad = grad.float()
                         param_grads[i] = grad if param_grads[i] is None else param_grads[i] + grad
+        param_grads = [None if grad is None else grad.to(param.dtype) for grad, param in zip(param_grads, params)]
         grad_x = grad_x.view_as(x) if grad_x is not None else None
-        return (None, None, None, None, grad_x, *param_grads)
+        return (None, None, None, None, None, grad_x, *param_grads)
 
 
 class TiledMLPForward:
@@ -70,6 +90,10 @@ class TiledMLPForward:
         self.original = module.forward
         self.tile_tokens = tile_tokens
         self.output_feeds_residual = output_feeds_residual
+        # bitsandbytes sends a no-grad call with few rows to a fused 4-bit GEMM (on CUDA below a per-architecture row
+        # count) and a grad call to dequantise + matmul; they round differently, so tiles of a quantized MLP take
+        # the grad path, as the untiled MLP in a training forward does (see `_TiledMLP.forward`).
+        self.grad_path = any(type(m).__module__.startswith("bitsandbytes") for m in module.modules())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
@@ -77,4 +101,5 @@ class TiledMLPForward:
             return self.original(x)
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return _TiledMLP.apply(self.original, self.tile_tokens, output_unused, _force_grad_leaf(x.device), x, *params)
+        return _TiledMLP.apply(self.original, self.tile_tokens, output_unused, self.grad_path,
+                               _force_grad_leaf(x.device), x, *params)

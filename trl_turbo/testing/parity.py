@@ -96,15 +96,19 @@ def build_trainer(
     model_kwargs: dict[str, Any] | None = None,
     config_cls: type | None = None,
     trainer_cls: type | None = None,
+    quantization: dict[str, Any] | None = None,
 ):
     """A GRPOTrainer (or `trainer_cls`, configured by `config_cls`, e.g. TRL's GMPOTrainer) on a tiny `arch` model,
-    the testbed tokenizer and the shipped arithmetic data."""
+    the testbed tokenizer and the shipped arithmetic data. `quantization`: `BitsAndBytesConfig` arguments; the model
+    is then saved and reloaded quantized (QLoRA with `peft=True`)."""
     from trl import GRPOConfig, GRPOTrainer
 
     config_cls = config_cls or GRPOConfig
     trainer_cls = trainer_cls or GRPOTrainer
 
     model = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {}))
+    if quantization is not None:
+        model = _quantized(model, f"{config_kwargs['output_dir']}/tiny-{arch}-unquantized", quantization)
     if config_kwargs.get("beta", 0.0) != 0.0 and not peft:
         # TRL loads the reference model from the policy's name_or_path: give it a local copy to load.
         model_dir = f"{config_kwargs['output_dir']}/tiny-{arch}"
@@ -126,6 +130,16 @@ def build_trainer(
     )
 
 
+def _quantized(model: torch.nn.Module, path: str, quantization: dict[str, Any]) -> torch.nn.Module:
+    """`model` saved to `path` and loaded back through bitsandbytes, on the device it was on."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model.save_pretrained(path)
+    device = next(model.parameters()).device
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**quantization),
+                                                dtype=next(model.parameters()).dtype, device_map=str(device))
+
+
 def run_training(
     variant: str,
     config_overrides: dict[str, Any] | None = None,
@@ -134,6 +148,7 @@ def run_training(
     arch: str = "llama",
     peft: bool = False,
     model_kwargs: dict[str, Any] | None = None,
+    quantization: dict[str, Any] | None = None,
 ) -> list[StepRecord]:
     """Seeded GRPO training steps; returns one record per optimizer step."""
     from transformers import TrainerCallback
@@ -164,7 +179,7 @@ def run_training(
     with patch_state(variant), tempfile.TemporaryDirectory() as tmp:
         config = base_config_kwargs(tmp, max_steps=steps, **(config_overrides or {}))
         torch.manual_seed(0)
-        trainer = build_trainer(config, arch=arch, peft=peft, model_kwargs=model_kwargs)
+        trainer = build_trainer(config, arch=arch, peft=peft, model_kwargs=model_kwargs, quantization=quantization)
         trainer.add_callback(_Recorder(trainer.model))
         trainer.train()
     return records

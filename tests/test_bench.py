@@ -6,6 +6,7 @@ TIS, OOM handling, every loss implementation, JSON/PNG/table writing) executes a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -234,3 +235,13 @@ def test_e2e_refuses_to_run_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA"):
         cli.main(["e2e", "--shape", "tiny", "--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_train_qlora(tmp_path):
+    cli.main(["train", "--shape", "tiny", "--micro-batch", "2", "--lengths", "8", "--prompt-len", "4",
+              "--quantization", "nf4", "--out", str(tmp_path)])
+    data = _load_single(tmp_path, "train")
+    assert data["config"]["quantization"]["load_in_4bit"] == "True"
+    assert {row["quantization"] for row in data["rows"]} == {"nf4"} and all(row["ok"] for row in data["rows"])
+    assert "| nf4 | 2 | 4 | 8 |" in results.render_table(tmp_path)

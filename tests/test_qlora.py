@@ -19,6 +19,7 @@ QUANTIZATIONS = {
     "nf4-double": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
                    "bnb_4bit_compute_dtype": "float32"},
     "fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_compute_dtype": "float32"},
+    "int8": {"load_in_8bit": True},
 }
 FEATURES_ON = {"gradient_checkpointing": True, "max_completion_length": 8, "turbo_tiled_mlp_tokens": 5,
                "turbo_forward_token_budget": 40}
@@ -48,11 +49,17 @@ def assert_close_to_bf16_resolution(stock, turbo, ulps: int = 4) -> None:
                 assert error <= resolution * x.float().abs().max().item() + 1e-12, (step, kind, name, error)
 
 
-def test_qlora_model_is_quantized_and_turbo_features_installed(tmp_path):
+@pytest.mark.parametrize("quantization", sorted(QUANTIZATIONS))
+def test_qlora_model_is_quantized_and_turbo_features_installed(tmp_path, quantization):
     import bitsandbytes as bnb
 
+    from trl_turbo.offload.tiled_mlp import TiledMLPForward
+
     trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), **FEATURES_ON), peft=True,
-                                   quantization=QUANTIZATIONS["nf4-double"])
+                                   quantization=QUANTIZATIONS[quantization])
     base = trainer.model.get_base_model()
-    assert isinstance(base.model.layers[0].mlp.down_proj.base_layer, bnb.nn.Linear4bit)
-    assert trainer._trl_turbo_checkpointing is not None  # checkpoint runtime and MLP tiles sit on the 4-bit layers
+    expected = bnb.nn.Linear8bitLt if quantization == "int8" else bnb.nn.Linear4bit
+    assert isinstance(base.model.layers[0].mlp.down_proj.base_layer, expected)
+    assert trainer._trl_turbo_checkpointing is not None
+    tiles = [layer.mlp.forward for layer in base.model.layers]
+    assert all(isinstance(tile, TiledMLPForward) and tile.grad_path for tile in tiles)

@@ -42,7 +42,7 @@ _TABLE_LAYOUT: dict[str, dict[str, Any]] = {
     "train": {
         "impl": "variant",
         "baseline": "stock",
-        "key": ("micro_batch", "prompt_len", "completion_len", "tis"),
+        "key": ("quantization", "micro_batch", "prompt_len", "completion_len", "tis"),
         "metrics": (("peak_gib", "peak GiB", "{:.2f}"), ("step_s", "step s", "{:.2f}")),
     },
     "e2e": {
@@ -165,6 +165,13 @@ def _ratio(row: dict[str, Any] | None, base: dict[str, Any] | None, metric: str)
     return f"{row[metric] / base[metric]:.2f}×"
 
 
+def _sort_key(value: Any) -> tuple[int, Any]:
+    """Row keys mix None (older files without a field), numbers and strings: order within each kind."""
+    if value is None:
+        return (0, 0)
+    return (1, value) if isinstance(value, (int, float)) else (2, str(value))
+
+
 def render_table(results_dir: Path) -> str:
     """Markdown of every result file in ``results_dir``: one table per (benchmark, shape, GPU), with baseline ratios."""
     runs = []
@@ -198,7 +205,7 @@ def render_table(results_dir: Path) -> str:
             if layout["baseline"] in impls:
                 header += [f"{impl}/{layout['baseline']} {label}" for impl in others]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for key, by_impl in sorted(group.items(), key=lambda item: tuple(-1 if k is None else k for k in item[0])):
+        for key, by_impl in sorted(group.items(), key=lambda item: tuple(map(_sort_key, item[0]))):
             cells = [str(k) for k in key]
             base = by_impl.get(layout["baseline"])
             for metric, _, fmt in layout["metrics"]:

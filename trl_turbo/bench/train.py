@@ -47,14 +47,30 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
 VARIANTS = tuple(VARIANT_CONFIG)
 
 
-def build_model(shape: str, device: torch.device, lora_r: int = 16) -> torch.nn.Module:
-    """Random-init bf16 model of ``shape`` built on ``device``, wrapped in LoRA, in train mode with checkpointing."""
+QUANTIZATIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": torch.bfloat16},
+}
+
+
+def build_model(shape: str, device: torch.device, lora_r: int = 16, quantization: str = "none") -> torch.nn.Module:
+    """Random-init bf16 model of ``shape`` built on ``device`` (with a quantization: saved, then reloaded through
+    bitsandbytes, as a user loads a checkpoint), wrapped in LoRA, in train mode with checkpointing."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     config = build_config(shape)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if QUANTIZATIONS[quantization]:
+        with tempfile.TemporaryDirectory() as checkpoint:
+            model.save_pretrained(checkpoint)
+            del model
+            free_memory(device)
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, dtype=torch.bfloat16, attn_implementation="sdpa", device_map={"": str(device)},
+                quantization_config=BitsAndBytesConfig(**QUANTIZATIONS[quantization]))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     lora = LoraConfig(r=lora_r, lora_alpha=lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -216,6 +232,7 @@ def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: 
     row: dict[str, Any] = {
         "variant": variant,
         "shape": args.shape,
+        "quantization": args.quantization,
         "micro_batch": args.micro_batch,
         "prompt_len": args.prompt_len,
         "completion_len": completion_len,
@@ -272,6 +289,7 @@ def run(args: argparse.Namespace) -> Path:
         "steps": args.steps,
         "warmup": args.warmup,
         "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"},
+        "quantization": {key: str(value) for key, value in QUANTIZATIONS[args.quantization].items()} or None,
         "loss_type": "dapo",
         "beta": 0.0,
         "gradient_checkpointing": "non-reentrant",
@@ -281,9 +299,10 @@ def run(args: argparse.Namespace) -> Path:
     }
     meta = metadata("train", device, config)
     torch.manual_seed(0)
-    model = build_model(args.shape, device)
+    model = build_model(args.shape, device, quantization=args.quantization)
     rows: list[dict[str, Any]] = []
-    stem = f"train-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
+    quantized = "" if args.quantization == "none" else f"-{args.quantization}"
+    stem = f"train-{args.shape}{quantized}-{time.strftime('%Y%m%d-%H%M%S')}"
     panels = (("peak_gib", "peak memory (GiB)"), ("step_s", "step time (s)"))
     with tempfile.TemporaryDirectory() as output_dir:
         for variant in variants:
@@ -323,6 +342,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")
     parser.add_argument("--tis", action="store_true", help="simulate vLLM importance-sampling correction")
+    parser.add_argument("--quantization", default="none", choices=sorted(QUANTIZATIONS),
+                        help="nf4: QLoRA (bitsandbytes 4-bit NF4, double quantization, bf16 compute)")
     parser.add_argument("--steps", type=int, default=1, help="timed micro-steps after the warm-up (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (0 for longest-length probes)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

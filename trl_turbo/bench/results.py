@@ -33,6 +33,7 @@ _DISTRIBUTIONS = {
     "accelerate": "accelerate",
     "triton": "triton",
     "vllm": "vllm",
+    "bitsandbytes": "bitsandbytes",
     "liger_kernel": "liger-kernel",
     "trl_turbo": "trl-turbo",
 }

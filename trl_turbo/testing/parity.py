@@ -108,7 +108,8 @@ def build_trainer(
 
     model = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {}))
     if quantization is not None:
-        model = _quantized(model, f"{config_kwargs['output_dir']}/tiny-{arch}-unquantized", quantization)
+        device = "cpu" if config_kwargs.get("use_cpu", False) else "cuda"
+        model = _quantized(model, f"{config_kwargs['output_dir']}/tiny-{arch}-unquantized", quantization, device)
     if config_kwargs.get("beta", 0.0) != 0.0 and not peft:
         # TRL loads the reference model from the policy's name_or_path: give it a local copy to load.
         model_dir = f"{config_kwargs['output_dir']}/tiny-{arch}"
@@ -130,14 +131,13 @@ def build_trainer(
     )
 
 
-def _quantized(model: torch.nn.Module, path: str, quantization: dict[str, Any]) -> torch.nn.Module:
-    """`model` saved to `path` and loaded back through bitsandbytes, on the device it was on."""
+def _quantized(model: torch.nn.Module, path: str, quantization: dict[str, Any], device: str) -> torch.nn.Module:
+    """`model` saved to `path` and loaded back through bitsandbytes onto `device`."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     model.save_pretrained(path)
-    device = next(model.parameters()).device
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**quantization),
-                                                dtype=next(model.parameters()).dtype, device_map=str(device))
+                                                dtype=next(model.parameters()).dtype, device_map=device)
 
 
 def run_training(

@@ -68,10 +68,21 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any) -> None:
     if problems:
         raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
                          f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
+    if _quantized(model, config):
+        raise ValueError("`turbo_vllm_shared_weights=True` shares 16-bit base weights; this model is quantized with "
+                         "bitsandbytes, and sharing 4-bit weights with vLLM is not supported yet (trl_turbo issue #8). "
+                         "Set `turbo_vllm_shared_weights=False` (vLLM then loads its own 4-bit copy).")
     model_type = _model_type(model, config)
     if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
         raise ValueError(f"`turbo_vllm_shared_weights=True` supports model types {', '.join(SHARED_WEIGHT_MODEL_TYPES)}"
                          f"; this model is {model_type!r}. Set `turbo_vllm_shared_weights=False` for it.")
+
+
+def _quantized(model: Any, config: Any) -> bool:
+    """Whether the policy is (or will be loaded) quantized: known before loading from `model_init_kwargs`."""
+    if isinstance(model, str):
+        return (config.model_init_kwargs or {}).get("quantization_config") is not None
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
 def _model_type(model: Any, config: Any) -> str | None:

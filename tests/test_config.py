@@ -8,6 +8,7 @@ import dataclasses
 import pickle
 
 import pytest
+import torch
 from transformers import HfArgumentParser
 from trl import GRPOConfig, TrlParser
 
@@ -85,10 +86,17 @@ def test_unknown_is_mode_fails_at_config_time(tmp_path):
         make(tmp_path, vllm_importance_sampling_mode="token_clip")
 
 
-@pytest.mark.parametrize("name", ["turbo_liger_layers"])
-def test_features_not_yet_implemented_refuse_to_be_enabled(tmp_path, name):
-    with pytest.raises(NotImplementedError, match=f"`{name}=False`"):
-        make(tmp_path, **{name: True})
+def test_liger_layers_need_liger_and_a_gpu(tmp_path, monkeypatch):
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA GPU.*turbo_liger_layers=False"):
+            make(tmp_path, turbo_liger_layers=True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"trl-turbo\[liger\]"):
+        make(tmp_path, turbo_liger_layers=True)
 
 
 def test_invalid_numbers_are_rejected(tmp_path):

@@ -22,11 +22,6 @@ from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, validate_loss_
 SHARED_WEIGHT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
-# Features whose implementation has not landed yet: their switch exists (so configs written today keep working), but
-# asking for them raises a clear error instead of silently training without them.
-_PENDING_FEATURES: dict[str, str] = {
-    "turbo_liger_layers": "Liger's fused RMSNorm/RoPE/SwiGLU layers (trl_turbo issue #8)",
-}
 
 
 @dataclass
@@ -181,8 +176,9 @@ class TurboFields:
     turbo_liger_layers: bool = field(
         default=False,
         metadata={
-            "help": "Apply Liger-Kernel's fused RMSNorm/RoPE/SwiGLU layers to supported architectures. (Not "
-            "available yet: lands with issue #8.)"
+            "help": "Route the RMSNorms and gated-SiLU MLPs of llama, mistral, qwen2 and qwen3 models through "
+            "Liger-Kernel's fused Triton kernels (in place of the lean norms; the tiled MLP tiles Liger's MLP). "
+            "Needs liger-kernel and a CUDA GPU."
         },
     )
 
@@ -191,13 +187,9 @@ TURBO_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(TurboFields)
 
 
 def validate(args: Any) -> None:
-    """Raise ValueError/NotImplementedError for unknown or conflicting trl_turbo settings (called in __post_init__)."""
-    for name, what in _PENDING_FEATURES.items():
-        if getattr(args, name):
-            raise NotImplementedError(
-                f"`{name}=True` asks for {what}, which this trl_turbo version does not implement yet. "
-                f"Set `{name}=False`."
-            )
+    """Raise ValueError for unknown or conflicting trl_turbo settings (called in __post_init__)."""
+    if args.turbo_liger_layers:
+        _validate_liger(args)
     if args.turbo_logprob_chunk_tokens is not None and args.turbo_logprob_chunk_tokens < 1:
         raise ValueError(
             f"`turbo_logprob_chunk_tokens` must be a positive number of tokens or None, "
@@ -255,6 +247,19 @@ def validate(args: Any) -> None:
         )
     if args.turbo_fused_loss:
         validate_loss_options(args)
+
+
+def _validate_liger(args: Any) -> None:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("`turbo_liger_layers=True` needs Liger-Kernel: `pip install 'trl-turbo[liger]'`, or set "
+                         "`turbo_liger_layers=False`.")
+    if args.use_cpu or not torch.cuda.is_available():
+        raise ValueError("`turbo_liger_layers=True` runs Liger's Triton kernels, which need a CUDA GPU; set "
+                         "`turbo_liger_layers=False` on this machine.")
 
 
 def _validate_vllm(args: Any) -> None:

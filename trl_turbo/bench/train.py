@@ -43,6 +43,7 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {},
     "turbo-loss": {"turbo_offload_checkpoints": False, "turbo_tiled_mlp": False},
     "turbo": {},
+    "turbo-liger": {"turbo_liger_layers": True},  # last: Liger's layers stay installed on the shared model
 }
 VARIANTS = tuple(VARIANT_CONFIG)
 

@@ -27,6 +27,7 @@ _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # RMSNorm classes computing `weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`; tests check each
 # against its original on every supported transformers version (gemma's `1 + weight` form is not among them).
 LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+_SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # the MLPs Liger's SwiGLU computes exactly
 _configured: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -75,6 +76,29 @@ def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
         else:
             feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
             registry.set_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
+        count += 1
+    return count
+
+
+def install_liger_layers(model: torch.nn.Module) -> int:
+    """Route every Llama-style RMSNorm and gated-SiLU MLP of `model` through Liger's kernels (idempotent;
+    `trl_turbo.unpatch()` undoes it). Install before the tiled MLP, which then tiles the Liger forward."""
+    from ..ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
+
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in LEAN_NORM_CLASSES and hasattr(module, "variance_epsilon"):
+            if not isinstance(module.__dict__.get("forward"), LigerRMSNormForward):
+                registry.set_attr(module, "forward", LigerRMSNormForward(module), weak=True)
+            count += 1
+    for layer in _decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, name) for name in _MLP_PROJECTIONS):
+            continue
+        if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
+            continue
+        if not isinstance(mlp.__dict__.get("forward"), (LigerSwiGLUForward, TiledMLPForward)):
+            registry.set_attr(mlp, "forward", LigerSwiGLUForward(mlp), weak=True)
         count += 1
     return count
 

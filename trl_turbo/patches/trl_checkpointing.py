@@ -1,7 +1,7 @@
 """GRPOTrainer side of offloaded checkpointing and tiled MLPs: set them up on the model, report their traffic.
 
 Seams: `configure` runs after TRL's `GRPOTrainer.__init__` (see `trl_trainer_init`): the model gets its
-`CheckpointingRuntime`, lean norms and tiled MLPs, and transformers' patched `_set_gradient_checkpointing` keeps
+`CheckpointingRuntime`, Liger's layers or lean norms, and tiled MLPs, and transformers' patched `_set_gradient_checkpointing` keeps
 trl_turbo's checkpoint function in place across every later enable. `GRPOTrainer.training_step`: after each
 micro-step, the offload statistics go into TRL's metrics as `offload/*`.
 """
@@ -16,7 +16,13 @@ import torch
 
 from ..offload import CheckpointOffloader
 from . import registry
-from .transformers_checkpointing import CheckpointingRuntime, install_lean_norms, install_runtime, install_tiled_mlp
+from .transformers_checkpointing import (
+    CheckpointingRuntime,
+    install_lean_norms,
+    install_liger_layers,
+    install_runtime,
+    install_tiled_mlp,
+)
 
 _GIB = 2**30
 _HOST_BUDGET_FRACTION = 0.8
@@ -51,7 +57,9 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     checkpointing runtime, None when checkpointing is off or neither offload nor tiling is wanted."""
     args = trainer.args
     model = _base_model(trainer.model)
-    if getattr(args, "turbo_lean_norms", False):
+    if getattr(args, "turbo_liger_layers", False):
+        install_liger_layers(model)  # its norms save as little as the lean ones: they take their place
+    elif getattr(args, "turbo_lean_norms", False):
         install_lean_norms(model)
     offload = bool(getattr(args, "turbo_offload_checkpoints", False))
     tiled = bool(getattr(args, "turbo_tiled_mlp", False))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import itertools
 
 import pytest
@@ -359,3 +360,28 @@ def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
     assert len(kept) >= 100 and max(kept) == 0, "checkpoints stayed on the device: the pool ran out of budget"
     embed = trainer.model.get_base_model().get_input_embeddings()
     assert len(embed._forward_hooks) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
+def test_liger_layers_install_under_tiles_and_undo():
+    # Only the wiring runs on CPU (Liger's kernels need CUDA; tests/test_liger_layers.py runs them on the GPU)
+    import trl_turbo
+    from trl_turbo.ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
+    from trl_turbo.patches.transformers_checkpointing import install_lean_norms, install_liger_layers, \
+        install_tiled_mlp
+
+    model = tiny_model("llama", vocab_size=len(VOCAB), layers=2)
+    install_lean_norms(model)  # an earlier trainer's choice: Liger's norms replace them
+    assert install_liger_layers(model) == 2 * 2 + 1 + 2
+    install_tiled_mlp(model, 8)
+    for layer in model.model.layers:
+        assert isinstance(layer.input_layernorm.forward, LigerRMSNormForward)
+        assert isinstance(layer.mlp.forward, TiledMLPForward) and isinstance(layer.mlp.forward.original,
+                                                                             LigerSwiGLUForward)
+    install_liger_layers(model)  # idempotent
+    trl_turbo.unpatch()
+    try:
+        for layer in model.model.layers:
+            assert "forward" not in layer.mlp.__dict__ and "forward" not in layer.input_layernorm.__dict__
+    finally:
+        trl_turbo.patch()

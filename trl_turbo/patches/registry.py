@@ -55,6 +55,18 @@ def set_attr(owner: Any, name: str, value: Any, *, weak: bool = False) -> None:
         _records.append(_Record(weakref.ref(owner) if weak else owner, weak, name, original, value))
 
 
+def replace_attr(owner: Any, name: str, value: Any, *, weak: bool = False) -> None:
+    """`set_attr`, except that an earlier trl_turbo patch of the same attribute is replaced (the original it saved
+    stays the one `restore_all()` puts back): for features that wrap or supersede each other on a module."""
+    with lock:
+        for record in _records:
+            if record.owner is owner and record.name == name:
+                setattr(owner, name, value)
+                record.value = value
+                return
+        set_attr(owner, name, value, weak=weak)
+
+
 def original(owner: Any, name: str) -> Any:
     """The object that was at `owner.name` before trl_turbo patched it (the current one when unpatched)."""
     with lock:

@@ -75,7 +75,8 @@ def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
             current.tile_tokens = tile_tokens
         else:
             feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
-            registry.set_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
+            # Wraps whatever forward the MLP has now (Liger's, when installed first)
+            registry.replace_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
         count += 1
     return count
 
@@ -89,7 +90,7 @@ def install_liger_layers(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module).__name__ in LEAN_NORM_CLASSES and hasattr(module, "variance_epsilon"):
             if not isinstance(module.__dict__.get("forward"), LigerRMSNormForward):
-                registry.set_attr(module, "forward", LigerRMSNormForward(module), weak=True)
+                registry.replace_attr(module, "forward", LigerRMSNormForward(module), weak=True)
             count += 1
     for layer in _decoder_layers(model):
         mlp = getattr(layer, "mlp", None)
@@ -97,8 +98,12 @@ def install_liger_layers(model: torch.nn.Module) -> int:
             continue
         if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
             continue
-        if not isinstance(mlp.__dict__.get("forward"), (LigerSwiGLUForward, TiledMLPForward)):
-            registry.set_attr(mlp, "forward", LigerSwiGLUForward(mlp), weak=True)
+        current = mlp.__dict__.get("forward")
+        if isinstance(current, TiledMLPForward):  # tiled by an earlier trainer: Liger goes inside the tiles
+            if not isinstance(current.original, LigerSwiGLUForward):
+                current.original = LigerSwiGLUForward(mlp)
+        elif not isinstance(current, LigerSwiGLUForward):
+            registry.replace_attr(mlp, "forward", LigerSwiGLUForward(mlp), weak=True)
         count += 1
     return count
 
@@ -109,7 +114,7 @@ def install_lean_norms(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module).__name__ in LEAN_NORM_CLASSES and hasattr(module, "variance_epsilon"):
             if not isinstance(module.__dict__.get("forward"), LeanRMSNormForward):
-                registry.set_attr(module, "forward", LeanRMSNormForward(module), weak=True)
+                registry.replace_attr(module, "forward", LeanRMSNormForward(module), weak=True)
             count += 1
     return count
 

@@ -165,9 +165,9 @@ def weight_accounting(trainer: Any) -> dict[str, float]:
     spans = []
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     if llm is not None:
-        executor = llm.llm_engine.model_executor
-        worker = getattr(executor.driver_worker, "worker", executor.driver_worker)
-        spans = [(p.data_ptr(), p.numel() * p.element_size()) for p in worker.get_model().parameters()]
+        from trl_turbo.patches.vllm_engine import driver_model
+
+        spans = [(p.data_ptr(), p.numel() * p.element_size()) for p in driver_model(llm).parameters()]
     vllm_bytes = sum(size for _, size in spans)
     shared = sum(size for ptr, size in hf.items() if any(start <= ptr < start + n for start, n in spans))
     hf_bytes = sum(hf.values())
@@ -320,7 +320,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from .results import metadata, write
+    from .results import metadata
 
     import torch
 

@@ -63,13 +63,31 @@ def _use_runtime_in_layers(model: torch.nn.Module, runtime: CheckpointingRuntime
         layer._gradient_checkpointing_func = runtime.checkpoint
 
 
+def _llama_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Llama-style RMSNorms of `model` (the classes in `LEAN_NORM_CLASSES`)."""
+    return [m for m in model.modules() if type(m).__name__ in LEAN_NORM_CLASSES and hasattr(m, "variance_epsilon")]
+
+
+def _gated_mlps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(decoder layer, MLP) for every decoder layer whose MLP has gate/up/down projections."""
+    pairs = [(layer, getattr(layer, "mlp", None)) for layer in _decoder_layers(model)]
+    return [(layer, mlp) for layer, mlp in pairs
+            if mlp is not None and all(hasattr(mlp, name) for name in _MLP_PROJECTIONS)]
+
+
+def _install_norm_forward(model: torch.nn.Module, forward_cls: type) -> int:
+    """Give every Llama-style RMSNorm a `forward_cls(module)` forward (replacing another of ours); returns the count."""
+    norms = _llama_norms(model)
+    for module in norms:
+        if not isinstance(module.__dict__.get("forward"), forward_cls):
+            registry.replace_attr(module, "forward", forward_cls(module), weak=True)
+    return len(norms)
+
+
 def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
     """Tile every dense gated MLP of `model`'s decoder layers (idempotent; `trl_turbo.unpatch()` undoes it)."""
-    count = 0
-    for layer in _decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None or not all(hasattr(mlp, name) for name in _MLP_PROJECTIONS):
-            continue
+    mlps = _gated_mlps(model)
+    for layer, mlp in mlps:
         current = mlp.__dict__.get("forward")
         if isinstance(current, TiledMLPForward):
             current.tile_tokens = tile_tokens
@@ -77,8 +95,7 @@ def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
             feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
             # Wraps whatever forward the MLP has now (Liger's, when installed first)
             registry.replace_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
-        count += 1
-    return count
+    return len(mlps)
 
 
 def install_liger_layers(model: torch.nn.Module) -> int:
@@ -86,16 +103,8 @@ def install_liger_layers(model: torch.nn.Module) -> int:
     `trl_turbo.unpatch()` undoes it). Install before the tiled MLP, which then tiles the Liger forward."""
     from ..ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
 
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in LEAN_NORM_CLASSES and hasattr(module, "variance_epsilon"):
-            if not isinstance(module.__dict__.get("forward"), LigerRMSNormForward):
-                registry.replace_attr(module, "forward", LigerRMSNormForward(module), weak=True)
-            count += 1
-    for layer in _decoder_layers(model):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None or not all(hasattr(mlp, name) for name in _MLP_PROJECTIONS):
-            continue
+    count = _install_norm_forward(model, LigerRMSNormForward)
+    for _, mlp in _gated_mlps(model):
         if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
             continue
         current = mlp.__dict__.get("forward")
@@ -110,13 +119,7 @@ def install_liger_layers(model: torch.nn.Module) -> int:
 
 def install_lean_norms(model: torch.nn.Module) -> int:
     """Give every Llama-style RMSNorm of `model` the lean backward (idempotent; `trl_turbo.unpatch()` undoes it)."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in LEAN_NORM_CLASSES and hasattr(module, "variance_epsilon"):
-            if not isinstance(module.__dict__.get("forward"), LeanRMSNormForward):
-                registry.replace_attr(module, "forward", LeanRMSNormForward(module), weak=True)
-            count += 1
-    return count
+    return _install_norm_forward(model, LeanRMSNormForward)
 
 
 def _wrap_set_gradient_checkpointing(original):

@@ -1,11 +1,13 @@
-"""Two processes (CPU, gloo DDP): the patched trainer matches stock TRL step by step.
+"""Two processes (CPU, gloo DDP): the patched trainer matches stock TRL step by step, and the decisions and metrics
+that involve every rank agree.
 
-Covers what runs on CPU of the multi-GPU story: the fused loss, trl_turbo's checkpoint function, tiled MLPs and
-sequence groups (each group a DDP forward/backward) under DistributedDataParallel, compared on rank 0 after the
-gradient all-reduce. With several processes, offloaded checkpointing and the tiled MLP stay off for now (their
-nested backward trips DDP, issue #7); the config warns about it. The processes are started by `torch.distributed.run`, the launcher `accelerate launch` uses for
-several GPUs; on CPU, `accelerate launch --num_processes 2` runs one process unless MPI is set up. The
-accelerator sees MULTI_CPU (gloo) because the config has `use_cpu=True`; the script asserts it.
+Covers what runs on CPU of the multi-GPU story: the fused loss, trl_turbo's checkpoint function (parameter gradients
+handed to DDP's outer backward pass), tiled MLPs and sequence groups (each group a DDP forward/backward) under
+DistributedDataParallel, compared on rank 0 after the gradient all-reduce; the group count agreed over ranks whose
+completions have different lengths; metrics reduced over ranks. The processes are started by
+`torch.distributed.run`, the launcher `accelerate launch` uses for several GPUs; on CPU, `accelerate launch
+--num_processes 2` runs one process unless MPI is set up. The accelerator sees MULTI_CPU (gloo) because the config
+has `use_cpu=True`; the script asserts it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _launch(tmp_path, variant: str) -> list:
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"{variant}.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), variant, str(out)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), variant, str(out)]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return torch.load(out)
@@ -56,14 +58,61 @@ def test_two_process_ddp_training_matches_stock(tmp_path):
     assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
 
 
-def test_several_processes_warn_that_offload_and_tiles_stay_off(tmp_path, monkeypatch):
-    from transformers import TrainingArguments
-    from trl import GRPOConfig
+COLLECTIVES_SCRIPT = textwrap.dedent(
+    """
+    import types
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+    from trl_turbo.patches.trl_step_metrics import _reduced
+    from trl_turbo.patches.trl_trainer import sequence_groups
 
-    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.warns(RuntimeWarning, match="not supported with several processes"):
-        config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                            per_device_train_batch_size=4, num_generations=4)
-    from trl_turbo.patches.trl_checkpointing import multi_process_checkpointing_unsupported
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    assert accelerator.num_processes == 2 and accelerator.distributed_type == DistributedType.MULTI_CPU
+    trainer = types.SimpleNamespace(
+        args=types.SimpleNamespace(turbo_forward_token_budget=64), model=types.SimpleNamespace(training=True),
+        accelerator=accelerator, top_entropy_quantile=1.0, loss_type="dapo", use_adaptive_entropy=False,
+        aux_loss_enabled=False)
+    # 6 sequences per rank; rank 0's completions are padded to 28 tokens (6 x 32 > 64: 3 groups of 2), rank 1's to
+    # 4 (6 x 8 fits): alone, rank 1 would run one forward and rank 0 three.
+    completion = 28 if rank == 0 else 4
+    inputs = {"prompt_ids": torch.zeros(6, 4, dtype=torch.long), "completion_ids": torch.zeros(6, completion,
+                                                                                               dtype=torch.long)}
+    groups = sequence_groups(trainer, inputs)
+    assert [(g.start, g.stop) for g in groups] == [(0, 2), (2, 4), (4, 6)], groups
+    reduced = _reduced(accelerator, {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},
+                       frozenset({"offload/host_peak_gib"}))
+    assert reduced == {"offload/offloaded_gib": 0.5, "offload/host_peak_gib": 3.0}, reduced
+    open(f"rank{rank}.ok", "w").close()
+    """
+)
 
-    assert multi_process_checkpointing_unsupported(config)
+
+def test_group_count_and_metrics_agree_across_ranks(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_one_process_loss_curve(tmp_path):
+    """The harness the 2-GPU tests use (completions fixed by prompt), on CPU: with the same global batch, two gloo
+    DDP processes with every CPU-capable trl_turbo feature train like one process."""
+    import json
+
+    base = [sys.executable, "-m", "trl_turbo.testing.multi_gpu", "--steps", "2", "--out"]
+    runs = {}
+    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])):
+        out = tmp_path / f"{name}.json"
+        command = [sys.executable, *launcher, *base[1:], str(out)] if launcher else [*base, str(out)]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = json.loads(out.read_text())
+    assert runs["two"]["processes"] == 2 and runs["two"]["turbo_checkpointing"]
+    assert runs["one"]["metrics"]["reward"] == runs["two"]["metrics"]["reward"]  # the same samples
+    torch.testing.assert_close(torch.tensor(runs["two"]["losses"]), torch.tensor(runs["one"]["losses"]),
+                               rtol=1e-4, atol=1e-6)

@@ -186,7 +186,7 @@ def test_repeated_enable_disable_cycles_do_not_leak_hooks_or_change_the_function
     for _ in range(5):
         model.gradient_checkpointing_disable()
         model.gradient_checkpointing_enable({"use_reentrant": False, "offload": True, "every_n_layers": 1})
-        assert all(layer._gradient_checkpointing_func is runtime.checkpoint for layer in model.model.layers)
+        assert all(layer._gradient_checkpointing_func is runtime.checkpoint_for(layer) for layer in model.model.layers)
         assert len(embed._forward_hooks) == 1
     loss, grads = _grads(model, _ids(), checkpointing=False)
     assert grads and torch.isfinite(loss)

@@ -97,14 +97,16 @@ class TurboFields:
         metadata={
             "help": "With gradient_checkpointing: each decoder layer's checkpointed input goes to pinned CPU memory on "
             "a side stream during the forward pass and is prefetched back one layer ahead during the backward "
-            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device."
+            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. One process, DDP or "
+            "DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
         },
     )
     turbo_offload_host_budget_gib: float | None = field(
         default=None,
         metadata={
             "help": "Pinned host memory the checkpoint offload may hold, in GiB. Checkpoints beyond it stay on the "
-            "GPU. None: 80 percent of the host memory available when training starts."
+            "GPU (per training process). None: 80 percent of the host memory available when training starts, divided "
+            "among the training processes of the host."
         },
     )
     turbo_tiled_mlp: bool = field(
@@ -112,7 +114,8 @@ class TurboFields:
         metadata={
             "help": "Compute each decoder layer's MLP over token tiles (recomputed per tile in the backward pass), "
             "so its working set does not grow with the micro-batch's token count. Gradients equal plain MLP's up "
-            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched."
+            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched. One process, "
+            "DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
         },
     )
     turbo_tiled_mlp_tokens: int = field(
@@ -153,7 +156,8 @@ class TurboFields:
             "base weights become views of the vLLM engine's weights, so one copy exists (vLLM starts with dummy "
             "weights and receives the HF weights once), and each generation uses the live adapter through vLLM's "
             "LoRA layers, handed over as tensors (no merge, no full-weight push, no files). Supported model "
-            "types: " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + "; single process, vllm_tensor_parallel_size=1."
+            "types: " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + "; one process, DDP or DeepSpeed ZeRO-1/2 (every rank "
+            "shares with its own engine), vllm_tensor_parallel_size=1."
         },
     )
     turbo_vllm_standby: bool = field(
@@ -163,7 +167,8 @@ class TurboFields:
             "and map it back before the next generation; vLLM's weights stay in place (TRL's "
             "vllm_enable_sleep_mode drops and re-pushes them). Unless vllm_gpu_memory_utilization is changed from "
             "TRL's default, the KV cache takes the device memory left after the weights, the trainable parameters "
-            "with their optimizer states and a margin."
+            "with their optimizer states and a margin. With several processes each releases its own engine's KV "
+            "cache; vllm_tensor_parallel_size=1."
         },
     )
     turbo_vllm_kv_cache_dtype: str = field(
@@ -206,14 +211,7 @@ def validate(args: Any) -> None:
         raise ValueError(
             f"`turbo_offload_host_budget_gib` must be >= 0 GiB or None, got {args.turbo_offload_host_budget_gib}."
         )
-    if args.world_size > 1 and args.gradient_checkpointing and (args.turbo_offload_checkpoints or args.turbo_tiled_mlp):
-        warnings.warn(
-            f"trl_turbo: `turbo_offload_checkpoints` and `turbo_tiled_mlp` are not supported with several processes "
-            f"yet (world size {args.world_size}); this run keeps transformers' gradient checkpointing and the plain "
-            "MLP. Every other trl_turbo feature stays on. Set both to False to silence this warning.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    _check_memory_features_strategy(args)
     _validate_vllm(args)
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
         raise ValueError(
@@ -249,6 +247,28 @@ def validate(args: Any) -> None:
         validate_loss_options(args)
 
 
+def _check_memory_features_strategy(args: Any) -> None:
+    """Offloaded checkpointing and the tiled MLP need whole parameters per rank; elsewhere the run keeps
+    transformers' checkpointing and the plain MLP (the same on every rank: the strategy is read from the config and
+    the launcher's environment), and says so."""
+    from .distributed import unsupported_features
+
+    if not args.gradient_checkpointing:
+        return
+    wanted = [name for name in ("turbo_offload_checkpoints", "turbo_tiled_mlp") if getattr(args, name)]
+    unsupported = unsupported_features(args, wanted)
+    if unsupported:
+        names = " and ".join(f"`{name}`" for name in unsupported)
+        warnings.warn(
+            f"trl_turbo: {names} stay off in this run: {next(iter(unsupported.values()))}. This run keeps "
+            "transformers' gradient checkpointing and the plain MLP; every other trl_turbo feature stays on. "
+            "Alternatives: DDP or ZeRO-1/2 keep these features; under ZeRO-3, DeepSpeed's `offload_param_device: "
+            "cpu` moves weights to the host; under FSDP, `fsdp_offload_params`. Set them to False to silence this.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
 def _validate_liger(args: Any) -> None:
     import importlib.util
 
@@ -280,12 +300,17 @@ def _validate_vllm(args: Any) -> None:
         raise ValueError(f"{' and '.join(memory_features)} keep vLLM's weights in place, which TRL's "
                          "`vllm_enable_sleep_mode=True` would drop; set `vllm_enable_sleep_mode=False` "
                          "(`turbo_vllm_standby=True` releases the KV cache instead).")
-    if args.turbo_vllm_shared_weights and args.vllm_tensor_parallel_size != 1:
-        raise ValueError("`turbo_vllm_shared_weights=True` needs whole weights in each engine: set "
+    if memory_features and args.vllm_tensor_parallel_size != 1:
+        raise ValueError(f"{' and '.join(memory_features)} manage one whole engine per training process: set "
                          f"`vllm_tensor_parallel_size=1` (got {args.vllm_tensor_parallel_size}).")
-    if memory_features and args.world_size > 1:
-        raise ValueError(f"{' and '.join(memory_features)} are validated on one process only so far (world size "
-                         f"{args.world_size}); set them to False for this run (trl_turbo issue #7).")
+    if args.turbo_vllm_shared_weights:
+        from .distributed import unsupported_features
+
+        reason = unsupported_features(args, ["turbo_vllm_shared_weights"]).get("turbo_vllm_shared_weights")
+        if reason is not None:
+            raise ValueError(f"`turbo_vllm_shared_weights=True` cannot work here: {reason}. Train with DDP "
+                             "(TRL's multi_gpu.yaml) or DeepSpeed ZeRO-1/2 to share weights, or set it to False "
+                             "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
     from .patches.versions import VLLM_ENGINE, unsupported_reason
 
     reason = unsupported_reason(VLLM_ENGINE)

@@ -18,6 +18,13 @@ Where the saved input lives is decided by `CheckpointOffloader`:
 
 The host and device copies are bitwise identical, so gradients are exactly those of plain checkpointing. Under
 no_grad or inference mode the layer runs directly; nothing is saved or copied.
+
+Gradients leave the backward pass through the Function's outputs only. The layer's trainable parameters are inputs
+of the Function, and the recompute differentiates with `torch.autograd.grad` (which writes no `.grad`), so every
+parameter is accumulated once, by the outer backward pass, as for an uncheckpointed layer. DDP and ZeRO-1/2 hook
+that accumulation to reduce gradients; a nested `backward()` would fire their hooks inside another backward pass,
+where DDP refuses them. This needs the parameters whole when the layer is called (not ZeRO-3 or FSDP, which
+gather them inside the layer's own call); `trl_turbo.distributed` keeps the function off there.
 """
 
 from __future__ import annotations
@@ -225,8 +232,10 @@ def restored_autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[No
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run_function: Callable, offloader: CheckpointOffloader | None, _force_grad: torch.Tensor,
-                hidden: torch.Tensor, *args: Any) -> Any:
+    def forward(ctx, run_function: Callable, offloader: CheckpointOffloader | None, param_count: int,
+                _force_grad: torch.Tensor, hidden: torch.Tensor, *args_and_params: Any) -> Any:
+        args = args_and_params[:len(args_and_params) - param_count]
+        ctx.param_count = param_count
         ctx.run_function = run_function
         ctx.offloader = offloader
         ctx.hidden_requires_grad = hidden.requires_grad
@@ -236,7 +245,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.tensor_positions = tensor_positions
         ctx.other_args = [None if i in tensor_positions else a for i, a in enumerate(args)]
-        ctx.save_for_backward(*(args[i] for i in tensor_positions))
+        ctx.save_for_backward(*(args[i] for i in tensor_positions), *args_and_params[len(args):])
         ctx.slot = offloader.save(hidden) if offloader is not None else hidden
         with torch.no_grad():
             return run_function(hidden, *args)
@@ -247,8 +256,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             raise RuntimeError("trl_turbo checkpoint: backward ran twice; retain_graph=True is not supported")
         hidden = ctx.offloader.load(ctx.slot) if ctx.offloader is not None else ctx.slot
         ctx.slot = None
+        saved = ctx.saved_tensors
+        saved_args, params = saved[:len(ctx.tensor_positions)], saved[len(ctx.tensor_positions):]
         args = list(ctx.other_args)
-        for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
+        for position, tensor in zip(ctx.tensor_positions, saved_args):
             args[position] = tensor.detach().requires_grad_(tensor.requires_grad)
         hidden = hidden.detach().requires_grad_(ctx.hidden_requires_grad)
         with _recompute_state(ctx.cpu_rng, ctx.device_rng, ctx.autocast), torch.enable_grad():
@@ -256,10 +267,20 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad
                  and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        arg_grads = [args[i].grad if i in ctx.tensor_positions else None for i in range(len(args))]
-        return (None, None, None, hidden.grad if ctx.hidden_requires_grad else None, *arg_grads)
+        wanted = [hidden] + [args[i] for i in ctx.tensor_positions] + list(params)
+        differentiable = [i for i, t in enumerate(wanted) if t.requires_grad]
+        grads: list[torch.Tensor | None] = [None] * len(wanted)
+        if pairs and differentiable:
+            found = torch.autograd.grad([o for o, _ in pairs], [wanted[i] for i in differentiable],
+                                        [g for _, g in pairs], allow_unused=True)
+            for i, grad in zip(differentiable, found):
+                grads[i] = grad
+        hidden_grad, tensor_arg_grads, param_grads = grads[0], grads[1:1 + len(ctx.tensor_positions)], grads[
+            1 + len(ctx.tensor_positions):]
+        arg_grads: list[torch.Tensor | None] = [None] * len(args)
+        for position, grad in zip(ctx.tensor_positions, tensor_arg_grads):
+            arg_grads[position] = grad
+        return (None, None, None, None, hidden_grad, *arg_grads, *param_grads)
 
 
 # A leaf that requires grad, passed to every checkpoint call so its output joins the autograd graph even when no
@@ -273,14 +294,20 @@ def _force_grad_leaf(device: torch.device) -> torch.Tensor:
     return _force_grad_leaves[device]
 
 
-def offloaded_checkpoint(offloader: CheckpointOffloader | None) -> Callable[..., Any]:
-    """A `_gradient_checkpointing_func` for transformers' GradientCheckpointingLayer (called as f(function, *args))."""
+def offloaded_checkpoint(offloader: CheckpointOffloader | None,
+                         layer: torch.nn.Module | None = None) -> Callable[..., Any]:
+    """A `_gradient_checkpointing_func` for transformers' GradientCheckpointingLayer (called as f(function, *args)).
+
+    `layer`: the module whose call this function checkpoints; its trainable parameters receive their gradients through
+    the Function's outputs (see the module docstring). Without it, trainable parameters must not be used inside."""
 
     def checkpoint(function: Callable, *args: Any, **_ignored: Any) -> Any:
         if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]):
             return function(*args)
         hidden = args[0]
-        return _OffloadedCheckpoint.apply(function, offloader, _force_grad_leaf(hidden.device), hidden, *args[1:])
+        params = [p for p in layer.parameters() if p.requires_grad] if layer is not None else []
+        return _OffloadedCheckpoint.apply(function, offloader, len(params), _force_grad_leaf(hidden.device), hidden,
+                                          *args[1:], *params)
 
     checkpoint.__trl_turbo_offloader__ = offloader
     return checkpoint

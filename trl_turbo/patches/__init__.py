@@ -27,14 +27,21 @@ def apply_all() -> bool:
             )
             _warned = True
         return False
-    from . import transformers_checkpointing, trl_checkpointing, trl_config, trl_trainer, trl_trainer_init, trl_vllm
+    from . import (
+        transformers_checkpointing,
+        trl_config,
+        trl_step_metrics,
+        trl_trainer,
+        trl_trainer_init,
+        trl_vllm,
+    )
 
     try:
         trl_config.apply()
         trl_trainer.apply()
         trl_trainer_init.apply()
         transformers_checkpointing.apply()
-        trl_checkpointing.apply()
+        trl_step_metrics.apply()
         trl_vllm.apply()
     except BaseException:
         registry.restore_all()

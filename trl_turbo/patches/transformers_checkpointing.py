@@ -33,12 +33,19 @@ _configured: weakref.WeakSet = weakref.WeakSet()
 
 @dataclass
 class CheckpointingRuntime:
-    """What a model's checkpointed layers use: the offloader (None: inputs stay on the device) and its function."""
+    """What a model's checkpointed layers use: the offloader (None: inputs stay on the device) and, per layer, the
+    checkpoint function (each routes its own layer's trainable parameters; see `offload.checkpoint`)."""
 
     offloader: CheckpointOffloader | None
 
     def __post_init__(self) -> None:
-        self.checkpoint = offloaded_checkpoint(self.offloader)
+        self._functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def checkpoint_for(self, layer: torch.nn.Module):
+        """The checkpoint function of `layer` (the same object on every call)."""
+        if layer not in self._functions:
+            self._functions[layer] = offloaded_checkpoint(self.offloader, layer)
+        return self._functions[layer]
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -57,10 +64,11 @@ def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> No
 def _use_runtime_in_layers(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
     for layer in _decoder_layers(model):
         current = layer.__dict__.get("_gradient_checkpointing_func")
-        if current is None or current is runtime.checkpoint:
+        ours = runtime.checkpoint_for(layer)
+        if current is None or current is ours:
             continue
         layer._trl_turbo_original_checkpoint = current
-        layer._gradient_checkpointing_func = runtime.checkpoint
+        layer._gradient_checkpointing_func = ours
 
 
 def _llama_norms(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -190,16 +190,34 @@ def _wrap_compute_loss(original):
 
 def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     """Split the micro-batch into groups of whole sequences of at most `turbo_forward_token_budget` tokens each,
-    when it exceeds the budget and the loss allows it; None: one forward over the whole micro-batch."""
+    when it exceeds the budget and the loss allows it; None: one forward over the whole micro-batch.
+
+    With several processes every rank runs the same number of groups (the largest any rank needs): each group is
+    a forward and backward pass, and DDP's buffer broadcasts, ZeRO-3's and FSDP's gathers and their gradient
+    reductions are collectives that every rank has to enter equally often. Ranks' completions are padded to
+    different lengths, so a rank-local count could hang the run."""
     budget = getattr(trainer.args, "turbo_forward_token_budget", None)
+    if budget is None or not (torch.is_grad_enabled() and trainer.model.training) or not splittable_loss(trainer):
+        return None
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
-    if budget is None or sequences < 2 or sequences * length <= budget:
-        return None
-    if not (torch.is_grad_enabled() and trainer.model.training) or not splittable_loss(trainer):
-        return None
     per_group = max(1, budget // length)
-    return [slice(start, min(start + per_group, sequences)) for start in range(0, sequences, per_group)]
+    count = -(-sequences // per_group) if sequences * length > budget else 1
+    if trainer.accelerator.num_processes > 1:
+        count = agreed_group_count(trainer.accelerator, count, prompt_ids.device)
+    count = min(count, sequences)  # GRPO's micro-batches have the same number of sequences on every rank
+    if count < 2:
+        return None
+    size, larger = divmod(sequences, count)
+    bounds = [0]
+    for index in range(count):
+        bounds.append(bounds[-1] + size + (1 if index < larger else 0))
+    return [slice(start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def agreed_group_count(accelerator: Any, count: int, device: torch.device) -> int:
+    """The largest group count of any rank (one small all-gather per micro-batch, on every rank)."""
+    return int(accelerator.gather(torch.tensor([count], device=device)).max().item())
 
 
 def splittable_loss(trainer: Any) -> bool:

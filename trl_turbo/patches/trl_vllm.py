@@ -235,7 +235,6 @@ def _wrap_generate(original):
         if state is None:
             return original(self, *args, **kwargs)
         device = self.accelerator.device
-        state.metrics["vllm/train_peak_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
         start = time.perf_counter()
         if state.standby is not None:
             # The KV cache maps fresh device memory: blocks torch's allocator still caches from training would

@@ -1,8 +1,8 @@
 """Checks of the shared-weight vLLM engine inside a real GRPOTrainer (GPU + vLLM), shared by the GPU tests.
 
 Design decision: one vLLM engine lives per process, so each model family is checked by running this module as a
-child process (``python -m trl_turbo.testing.vllm_checks <arch> <dir>``), which prints one ``RESULT {json}`` line;
-the test asserts on it. The checks compare log-probabilities, not greedy tokens, because a random-init model's
+child process (``python -m trl_turbo.testing.vllm_checks <arch> <dir>``, or under ``accelerate launch``, one
+engine per rank), which prints one ``RESULT {json}`` line per rank; the test asserts on it. The checks compare log-probabilities, not greedy tokens, because a random-init model's
 logits are near ties and greedy tokens flip between kernels.
 """
 
@@ -139,8 +139,13 @@ def check_family(arch: str, path: Path, steps: int = 3) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(check_family(sys.argv[1], Path(sys.argv[2]))), flush=True)
-    sys.stdout.flush()
     import os
+
+    # Under `accelerate launch`, every rank checks its own engine, with its own copy of the model files.
+    rank = int(os.environ.get("RANK", 0))
+    workdir = Path(sys.argv[2]) / f"rank{rank}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else Path(sys.argv[2])
+    result = {"rank": rank, **check_family(sys.argv[1], workdir)}
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
 
     os._exit(0)  # skip interpreter teardown of the in-process engine

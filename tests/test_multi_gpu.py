@@ -1,0 +1,94 @@
+"""Two GPUs through `accelerate launch` with TRL's shipped configs: every strategy trains with trl_turbo's features
+and follows the one-GPU run of the same global batch.
+
+Each run is `trl_turbo.testing.multi_gpu` (completions fixed by prompt, so the split over ranks cannot change the
+samples), 10 steps of a 4-layer LoRA model with hidden size 2048, fp32 (`--mixed_precision no`: the strategies' bf16 recipes
+differ from one GPU's autocast, which would hide a real divergence). Each launch is bounded by a timeout, so a hang
+fails the test. Set TRL_TURBO_RESULTS_DIR to keep every run's JSON (losses, metrics, per-GPU peak memory).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STRATEGIES = ("multi_gpu", "zero2", "zero3", "fsdp2")
+WHOLE_PARAMETERS = ("multi_gpu", "zero2")  # where offloaded checkpointing and tiled MLPs stay on
+LAUNCH_TIMEOUT_S = 420
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+]
+
+
+def _run(command: list[str], out: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    data = json.loads(out.read_text())
+    results_dir = os.environ.get("TRL_TURBO_RESULTS_DIR")
+    if results_dir:
+        Path(results_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, Path(results_dir) / out.name)
+    return data
+
+
+@pytest.fixture(scope="module")
+def one_gpu(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("one") / "one_gpu.json"
+    env_command = [sys.executable, "-m", "trl_turbo.testing.multi_gpu", "--out", str(out)]
+    return _run(["env", "CUDA_VISIBLE_DEVICES=0", *env_command], out)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_gpus_follow_the_one_gpu_loss_curve(tmp_path, one_gpu, strategy):
+    if strategy.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed")
+    import trl
+
+    config = Path(trl.__file__).parent / "accelerate_configs" / f"{strategy}.yaml"
+    out = tmp_path / f"two_gpus_{strategy}.json"
+    run = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+                "2", "--mixed_precision", "no", "-m", "trl_turbo.testing.multi_gpu", "--out", str(out)], out)
+    assert run["processes"] == 2 and len(run["losses"]) == len(one_gpu["losses"]) == 10
+    assert len(run["peak_gib_per_rank"]) == 2 and all(p > 0 for p in run["peak_gib_per_rank"])
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(one_gpu["losses"]), rtol=2e-3, atol=2e-5)
+    assert run["turbo_checkpointing"] is (strategy in WHOLE_PARAMETERS)
+    if strategy in WHOLE_PARAMETERS:
+        assert min(run["metrics"]["offload/offloaded_gib"]) > 0  # checkpoints did go to the host on both ranks
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+@pytest.mark.parametrize("strategy", WHOLE_PARAMETERS)
+def test_every_rank_shares_weights_with_its_own_engine(tmp_path, strategy):
+    """Shared weights + standby on 2 ranks (TRL's colocate: one engine per rank): on each rank one copy of the base
+    weights before and after 3 steps (DDP's and DeepSpeed's start-up broadcasts write into vLLM's tensors in place),
+    vLLM's samples scored by that rank's live adapter, adapter syncs in milliseconds."""
+    if strategy.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed")
+    import trl
+
+    config = Path(trl.__file__).parent / "accelerate_configs" / f"{strategy}.yaml"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    process = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                              "--num_processes", "2", "-m", "trl_turbo.testing.vllm_checks", "llama", str(tmp_path)],
+                             capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in process.stdout.splitlines() if "RESULT " in line]
+    assert process.returncode == 0 and len(results) == 2, process.stdout[-3000:] + process.stderr[-6000:]
+    print(results)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    expected = {"frozen_matrices": 2 * 7 + 2, "second_copies": []}
+    for result in results:
+        assert result["copies_before"] == expected and result["copies_after"] == expected
+        for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
+            assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
+        assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5

@@ -1,0 +1,104 @@
+"""Which multi-process strategy a run trains with, and which trl_turbo features work under it, known before any
+model loads.
+
+Design: GRPOConfig's validation has to refuse or switch off features that cannot work with a strategy before a
+model loads, and every rank has to decide the same. The strategy is therefore read from exactly what transformers
+and accelerate read later, which is the same on every rank: TrainingArguments' `deepspeed` field (and the plugin
+transformers builds from it) and the environment that `accelerate launch` sets from its config file
+(`ACCELERATE_USE_DEEPSPEED` with `ACCELERATE_DEEPSPEED_ZERO_STAGE` or a DeepSpeed config file, `ACCELERATE_USE_FSDP`
+with `FSDP_VERSION`), or TrainingArguments' `fsdp` field. Nothing here imports deepspeed or touches a process group.
+
+What each feature needs is declared once, in `FEATURE_STRATEGIES`; config validation, the checkpointing setup and
+README's table read it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from typing import Any
+
+
+class Strategy(str, enum.Enum):
+    SINGLE = "single process"
+    DDP = "DDP"
+    ZERO1 = "DeepSpeed ZeRO-1"
+    ZERO2 = "DeepSpeed ZeRO-2"
+    ZERO3 = "DeepSpeed ZeRO-3"
+    FSDP1 = "FSDP1"
+    FSDP2 = "FSDP2"
+
+
+# Each rank holds every parameter whole, as a plain tensor, between and during forward passes.
+WHOLE_PARAMETER_STRATEGIES = frozenset({Strategy.SINGLE, Strategy.DDP, Strategy.ZERO1, Strategy.ZERO2})
+ALL_STRATEGIES = frozenset(Strategy)
+
+# Feature → the strategies it works under, and why not under the others (shown in errors and warnings).
+FEATURE_STRATEGIES: dict[str, tuple[frozenset[Strategy], str]] = {
+    "turbo_offload_checkpoints": (
+        WHOLE_PARAMETER_STRATEGIES,
+        "trl_turbo's checkpoint function hands each layer's parameter gradients to the outer backward pass, which "
+        "needs the parameters whole when the layer is called; ZeRO-3 and FSDP gather them only inside the layer",
+    ),
+    "turbo_tiled_mlp": (
+        WHOLE_PARAMETER_STRATEGIES,
+        "the tiled MLP's backward pass reuses the MLP's parameters outside the module call, where ZeRO-3 and FSDP "
+        "have released them",
+    ),
+    "turbo_vllm_shared_weights": (
+        WHOLE_PARAMETER_STRATEGIES,
+        "the training model's frozen weights become views of vLLM's whole weights, and ZeRO-3 and FSDP keep only a "
+        "shard of each weight per rank",
+    ),
+}
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _zero_stage(args: Any) -> int:
+    config: Any = getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if isinstance(config, str) and config and config != "none":
+        with open(config) as handle:
+            config = json.load(handle)
+    if isinstance(config, dict):
+        stage = config.get("zero_optimization", {}).get("stage")
+        if stage is not None and stage != "auto":
+            return int(stage)
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        return int(os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
+    plugin = getattr(args, "deepspeed_plugin", None)
+    stage = getattr(plugin, "zero_stage", None)
+    return int(stage) if stage is not None else 2  # accelerate's default stage
+
+
+def _fsdp_version(args: Any) -> int:
+    if _truthy(os.environ.get("ACCELERATE_USE_FSDP")):
+        return int(os.environ.get("FSDP_VERSION", 1))  # accelerate's default when its config names none
+    return int((getattr(args, "fsdp_config", None) or {}).get("version", 2))  # transformers' default
+
+
+def detect_strategy(args: Any) -> Strategy:
+    """The strategy `args` (TrainingArguments/GRPOConfig after `__post_init__`) will train with."""
+    if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None or _truthy(
+            os.environ.get("ACCELERATE_USE_DEEPSPEED")):
+        stage = _zero_stage(args)
+        return Strategy.ZERO3 if stage == 3 else Strategy.ZERO2 if stage == 2 else Strategy.ZERO1  # 0: as 1
+    if getattr(args, "fsdp", None) or _truthy(os.environ.get("ACCELERATE_USE_FSDP")):
+        return Strategy.FSDP2 if _fsdp_version(args) == 2 else Strategy.FSDP1
+    return Strategy.DDP if args.world_size > 1 else Strategy.SINGLE
+
+
+def unsupported_features(args: Any, features: list[str]) -> dict[str, str]:
+    """Of `features` (turbo_* names), those the run's strategy does not support, with the reason."""
+    strategy = detect_strategy(args)
+    return {name: f"{reason} (this run: {strategy.value})" for name in features
+            for supported, reason in [FEATURE_STRATEGIES.get(name, (ALL_STRATEGIES, ""))]
+            if strategy not in supported}
+
+
+def local_process_count() -> int:
+    """Training processes on this host (they share its memory): torchrun's LOCAL_WORLD_SIZE, else 1."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -66,7 +66,9 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     if not args.gradient_checkpointing or not (offload or tiled) or strategy_keeps_stock_checkpointing(args):
         return None
     offloader = None
-    if offload and next(model.parameters()).is_cuda:
+    # The accelerator's device, not the parameters': DeepSpeed and FSDP move the model there only when training
+    # starts, after this runs.
+    if offload and trainer.accelerator.device.type == "cuda":
         budget_gib = args.turbo_offload_host_budget_gib
         # The training processes of one host share its memory: each takes its part of the default budget.
         host_bytes = (available_host_bytes() * _HOST_BUDGET_FRACTION / local_process_count() if budget_gib is None

@@ -199,7 +199,8 @@ def _start_engine_features(generation: Any, config: Any, parked: Any) -> None:
 
     state = _EngineState()
     if config.turbo_vllm_shared_weights:
-        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked)
+        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked,
+                                                            generation.accelerator.device)
         state.adapters = vllm_engine.TensorAdapters(generation.llm)
     if config.turbo_vllm_standby:
         state.standby = vllm_engine.KVStandby(generation.llm)

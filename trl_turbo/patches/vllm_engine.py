@@ -208,14 +208,17 @@ class ParkedWeights:
 
     def unpark(self) -> None:
         for name, weight in self.weights.items():
-            if weight.device != self.home[name]:
+            # Still on the host although its home is a device: not shared (views of vLLM's live on the device)
+            if weight.device.type == "cpu" and self.home[name].type != "cpu":
                 weight.data = weight.data.to(self.home[name])
 
 
-def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None = None) -> int:
+def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None = None,
+                       training_device: torch.device | None = None) -> int:
     """Load the HF weights into vLLM, then make the HF model's frozen matrices views of vLLM's tensors (checked
-    equal first). With `parked` weights (on the host for now) the views must sit on their home device. Returns the
-    bytes now held once instead of twice."""
+    equal first). With `parked` weights (on the host for now) the views must sit on their home device. A model still
+    on the host (DeepSpeed and FSDP move it to `training_device` only when training starts) gets views on
+    `training_device`; the move then leaves them in place. Returns the bytes now held once instead of twice."""
     from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
 
     base = _base(peft_model)
@@ -232,9 +235,12 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     targets = []
     for view in views:
         weight, target = frozen[view.hf_name], view_of(vllm_params[view.vllm_name], view)
-        if target.dtype != weight.dtype or target.device != home[view.hf_name]:
+        expected = home[view.hf_name]
+        if expected.type == "cpu" and training_device is not None:
+            expected = torch.device(training_device)
+        if target.dtype != weight.dtype or target.device != expected:
             raise LayoutMismatch(
-                f"{view.hf_name} is {weight.dtype} on {home[view.hf_name]} in the training model but vLLM holds it as "
+                f"{view.hf_name} is {weight.dtype} on {expected} in the training model but vLLM holds it as "
                 f"{target.dtype} on {target.device}; load the model in the training precision (e.g. "
                 "`model_init_kwargs={'dtype': 'bfloat16'}` with bf16=True) to share weights.")
         if not torch.equal(target, weight.detach().to(target.device)):

@@ -127,6 +127,8 @@ def check_family(arch: str, path: Path, steps: int = 3) -> dict[str, Any]:
     # Eager vLLM: compiling and capturing graphs would take most of each family's time and is not what is checked
     vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
     trainer = build_trainer(arch, path, steps=steps, completion_cap=8)
+    # DeepSpeed places the model on the device only when training starts; the checks before it need it there now
+    trainer.model.to(trainer.accelerator.device)
     randomize_adapter(trainer.model)
     result: dict[str, Any] = {"arch": arch, "copies_before": weight_copies(trainer)}
     result["gaps_before"] = logprob_gaps(trainer)

@@ -2,10 +2,10 @@
 and follows the one-GPU run of the same global batch.
 
 Each run is `trl_turbo.testing.multi_gpu` (completions fixed by prompt, so the split over ranks cannot change the
-samples), 10 steps of a 4-layer LoRA model with hidden size 2048, fp32 (`--mixed_precision no`: the
-strategies' bf16 recipes
-differ from one GPU's autocast, which would hide a real divergence). Each launch is bounded by a timeout, so a hang
-fails the test. Set TRL_TURBO_RESULTS_DIR to keep every run's JSON (losses, metrics, per-GPU peak memory).
+samples): 10 steps of a 4-layer LoRA model with hidden size 2048, in fp32 (`--mixed_precision no`; the strategies'
+bf16 recipes differ from one GPU's autocast, which would hide a real divergence). Each launch is bounded by a
+timeout, so a hang fails the test. Set TRL_TURBO_RESULTS_DIR to keep every run's JSON (losses, metrics, per-GPU
+peak memory).
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
     # 6 sequences per rank; rank 0's completions are padded to 28 tokens (6 x 32 > 64: 3 groups of 2), rank 1's to
     # 4 (6 x 8 fits): alone, rank 1 would run one forward and rank 0 three.
     completion = 28 if rank == 0 else 4
-    inputs = {"prompt_ids": torch.zeros(6, 4, dtype=torch.long), "completion_ids": torch.zeros(6, completion,
-                                                                                               dtype=torch.long)}
+    inputs = {"prompt_ids": torch.zeros(6, 4, dtype=torch.long),
+              "completion_ids": torch.zeros(6, completion, dtype=torch.long)}
     groups = sequence_groups(trainer, inputs)
     assert [(g.start, g.stop) for g in groups] == [(0, 2), (2, 4), (4, 6)], groups
     reduced = _reduced(accelerator, {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},

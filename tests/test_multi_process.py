@@ -43,7 +43,8 @@ def _launch(tmp_path, variant: str) -> list:
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"{variant}.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), variant, str(out)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               variant, str(out)]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return torch.load(out)
@@ -106,7 +107,8 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path):
 
     base = [sys.executable, "-m", "trl_turbo.testing.multi_gpu", "--steps", "2", "--out"]
     runs = {}
-    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])):
+    two_processes = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for name, launcher in (("one", []), ("two", two_processes)):
         out = tmp_path / f"{name}.json"
         command = [sys.executable, *launcher, *base[1:], str(out)] if launcher else [*base, str(out)]
         result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)

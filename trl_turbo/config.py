@@ -97,8 +97,8 @@ class TurboFields:
         metadata={
             "help": "With gradient_checkpointing: each decoder layer's checkpointed input goes to pinned CPU memory on "
             "a side stream during the forward pass and is prefetched back one layer ahead during the backward "
-            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. One process, DDP or "
-            "DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
+            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. One process, "
+            "DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
         },
     )
     turbo_offload_host_budget_gib: float | None = field(
@@ -114,8 +114,8 @@ class TurboFields:
         metadata={
             "help": "Compute each decoder layer's MLP over token tiles (recomputed per tile in the backward pass), "
             "so its working set does not grow with the micro-batch's token count. Gradients equal plain MLP's up "
-            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched. One process, "
-            "DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
+            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched. One "
+            "process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
         },
     )
     turbo_tiled_mlp_tokens: int = field(
@@ -286,16 +286,15 @@ def _validate_vllm(args: Any) -> None:
     if args.turbo_vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
         raise ValueError(f"`turbo_vllm_kv_cache_dtype={args.turbo_vllm_kv_cache_dtype!r}` is not one of "
                          f"{', '.join(VLLM_KV_CACHE_DTYPES)}.")
-    engine_features = [name for name in ("turbo_vllm_shared_weights", "turbo_vllm_standby") if getattr(args, name)]
-    if args.turbo_vllm_kv_cache_dtype != "auto":
-        engine_features.append("turbo_vllm_kv_cache_dtype")
+    memory_features = [name for name in ("turbo_vllm_shared_weights", "turbo_vllm_standby") if getattr(args, name)]
+    engine_features = memory_features + (["turbo_vllm_kv_cache_dtype"] if args.turbo_vllm_kv_cache_dtype != "auto"
+                                         else [])
     if not engine_features:
         return
     wanted = " and ".join(f"`{name}`" for name in engine_features)
     if not args.use_vllm or args.vllm_mode != "colocate":
         raise ValueError(f"{wanted} configure the colocated vLLM engine: set `use_vllm=True` and "
                          f"`vllm_mode='colocate'` (got use_vllm={args.use_vllm}, vllm_mode={args.vllm_mode!r}).")
-    memory_features = [name for name in ("turbo_vllm_shared_weights", "turbo_vllm_standby") if getattr(args, name)]
     if memory_features and args.vllm_enable_sleep_mode:
         raise ValueError(f"{' and '.join(memory_features)} keep vLLM's weights in place, which TRL's "
                          "`vllm_enable_sleep_mode=True` would drop; set `vllm_enable_sleep_mode=False` "

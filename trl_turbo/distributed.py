@@ -94,9 +94,12 @@ def detect_strategy(args: Any) -> Strategy:
 def unsupported_features(args: Any, features: list[str]) -> dict[str, str]:
     """Of `features` (turbo_* names), those the run's strategy does not support, with the reason."""
     strategy = detect_strategy(args)
-    return {name: f"{reason} (this run: {strategy.value})" for name in features
-            for supported, reason in [FEATURE_STRATEGIES.get(name, (ALL_STRATEGIES, ""))]
-            if strategy not in supported}
+    unsupported: dict[str, str] = {}
+    for name in features:
+        supported, reason = FEATURE_STRATEGIES.get(name, (ALL_STRATEGIES, ""))
+        if strategy not in supported:
+            unsupported[name] = f"{reason} (this run: {strategy.value})"
+    return unsupported
 
 
 def local_process_count() -> int:

@@ -235,7 +235,6 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def forward(ctx, run_function: Callable, offloader: CheckpointOffloader | None, param_count: int,
                 _force_grad: torch.Tensor, hidden: torch.Tensor, *args_and_params: Any) -> Any:
         args = args_and_params[:len(args_and_params) - param_count]
-        ctx.param_count = param_count
         ctx.run_function = run_function
         ctx.offloader = offloader
         ctx.hidden_requires_grad = hidden.requires_grad
@@ -267,20 +266,27 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad
                  and g is not None]
-        wanted = [hidden] + [args[i] for i in ctx.tensor_positions] + list(params)
-        differentiable = [i for i, t in enumerate(wanted) if t.requires_grad]
-        grads: list[torch.Tensor | None] = [None] * len(wanted)
-        if pairs and differentiable:
-            found = torch.autograd.grad([o for o, _ in pairs], [wanted[i] for i in differentiable],
-                                        [g for _, g in pairs], allow_unused=True)
-            for i, grad in zip(differentiable, found):
-                grads[i] = grad
-        hidden_grad, tensor_arg_grads, param_grads = grads[0], grads[1:1 + len(ctx.tensor_positions)], grads[
-            1 + len(ctx.tensor_positions):]
+        tensor_args = [args[i] for i in ctx.tensor_positions]
+        hidden_grad, *rest = _input_grads(pairs, [hidden, *tensor_args, *params])
         arg_grads: list[torch.Tensor | None] = [None] * len(args)
-        for position, grad in zip(ctx.tensor_positions, tensor_arg_grads):
+        for position, grad in zip(ctx.tensor_positions, rest):
             arg_grads[position] = grad
+        param_grads = rest[len(tensor_args):]
         return (None, None, None, None, hidden_grad, *arg_grads, *param_grads)
+
+
+def _input_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Gradients of `inputs` given (output, output gradient) `pairs`; None for inputs that need none or get none.
+    `torch.autograd.grad` writes no `.grad`: the caller returns them through its Function's outputs."""
+    grads: list[torch.Tensor | None] = [None] * len(inputs)
+    differentiable = [i for i, tensor in enumerate(inputs) if tensor.requires_grad]
+    if pairs and differentiable:
+        found = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in differentiable], [g for _, g in pairs],
+                                    allow_unused=True)
+        for i, grad in zip(differentiable, found):
+            grads[i] = grad
+    return grads
 
 
 # A leaf that requires grad, passed to every checkpoint call so its output joins the autograd graph even when no

@@ -17,6 +17,8 @@ import torch
 from . import registry
 
 _GIB = 2**30
+# Reduced over ranks by their maximum; every other metric by its mean.
+_MAXIMUM = frozenset({"offload/host_peak_gib", "offload/blocking_fetches", "memory/device_peak_gib/max"})
 
 
 def _reduced(accelerator: Any, values: dict[str, float], maximum: frozenset[str]) -> dict[str, float]:
@@ -30,10 +32,9 @@ def _reduced(accelerator: Any, values: dict[str, float], maximum: frozenset[str]
             for i, name in enumerate(names)}
 
 
-def step_values(trainer: Any) -> tuple[dict[str, float], frozenset[str]]:
-    """This rank's metrics for the micro-step that just ended, and which of them reduce by maximum."""
+def step_values(trainer: Any) -> dict[str, float]:
+    """This rank's metrics for the micro-step that just ended."""
     values: dict[str, float] = {}
-    maximum = {"offload/host_peak_gib", "offload/blocking_fetches", "memory/device_peak_gib/max"}
     runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
     if runtime is not None and runtime.offloader is not None:
         stats = runtime.offloader.take_stats()
@@ -56,15 +57,14 @@ def step_values(trainer: Any) -> tuple[dict[str, float], frozenset[str]]:
         from .trl_vllm import drain_metrics
 
         values.update(drain_metrics(generation))
-    return values, frozenset(maximum)
+    return values
 
 
 def _wrap_training_step(original):
     @functools.wraps(original)
     def training_step(self, *args, **kwargs):
         loss = original(self, *args, **kwargs)
-        values, maximum = step_values(self)
-        for name, value in _reduced(self.accelerator, values, maximum).items():
+        for name, value in _reduced(self.accelerator, step_values(self), _MAXIMUM).items():
             self._metrics["train"][name].append(value)
         return loss
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
+
 STRATEGIES = ("multi_gpu", "zero2", "zero3", "fsdp2")
 WHOLE_PARAMETERS = ("multi_gpu", "zero2")  # where offloaded checkpointing and tiled MLPs stay on
 LAUNCH_TIMEOUT_S = 420
@@ -32,8 +34,8 @@ pytestmark = [
 
 
 def _run(command: list[str], out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+                            env=fresh_rendezvous_env())
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
     data = json.loads(out.read_text())
     results_dir = os.environ.get("TRL_TURBO_RESULTS_DIR")
@@ -79,10 +81,9 @@ def test_every_rank_shares_weights_with_its_own_engine(tmp_path, strategy):
     import trl
 
     config = Path(trl.__file__).parent / "accelerate_configs" / f"{strategy}.yaml"
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     process = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                               "--num_processes", "2", "-m", "trl_turbo.testing.vllm_checks", "llama", str(tmp_path)],
-                             capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+                             capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=fresh_rendezvous_env())
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in process.stdout.splitlines() if "RESULT " in line]
     assert process.returncode == 0 and len(results) == 2, process.stdout[-3000:] + process.stderr[-6000:]
     print(results)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from trl_turbo.config import SHARED_WEIGHT_MODEL_TYPES
+from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -23,11 +23,9 @@ TIED = {"gemma", "gemma2", "gemma3_text"}
 
 @pytest.mark.parametrize("arch", [arch for arch in SHARED_WEIGHT_MODEL_TYPES if arch != "llama"])
 def test_family_shares_weights_and_samples_from_the_adapter(arch, tmp_path):
-    # A fresh rendezvous: an engine of this process (test_vllm_engine.py) left TRL's MASTER_PORT etc. in os.environ
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
-                                                            "WORLD_SIZE")}
+    # An engine of this process (test_vllm_engine.py) left TRL's MASTER_PORT etc. in os.environ
     process = subprocess.run([sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path)],
-                             capture_output=True, text=True, timeout=600, env=env)
+                             capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import zlib
 from typing import Any
@@ -51,9 +52,37 @@ def deterministic_completions(trainer: Any, pad_id: int, eos_id: int, first_toke
     trainer._generate_single_turn = _generate_single_turn
 
 
+def fresh_rendezvous_env() -> dict[str, str]:
+    """`os.environ` for a child launch, without the rendezvous variables an earlier launch or an in-process engine
+    (TRL's colocate sets MASTER_PORT etc.) left behind, which would make the child join or collide with it."""
+    stale = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    return {name: value for name, value in os.environ.items() if name not in stale}
+
+
 def text_reward(completions: list[Any], **_: Any) -> list[float]:
     """A fixed function of the completion (text or chat messages) in [0, 1), with a spread."""
     return [zlib.crc32(repr(completion).encode()) % 1000 / 1000 for completion in completions]
+
+
+class _StepPeaks:
+    """This rank's torch peak at the end of each training step, read just before trl_turbo's step metrics reset it
+    (they log each step's peak), so the run's peak survives the resets."""
+
+    def __init__(self) -> None:
+        from trl_turbo.patches import trl_step_metrics
+
+        self.bytes: list[int] = []
+        self._module, self._original = trl_step_metrics, trl_step_metrics.step_values
+
+        def step_values(trainer: Any) -> dict[str, float]:
+            if torch.cuda.is_available():
+                self.bytes.append(torch.cuda.max_memory_allocated())
+            return self._original(trainer)
+
+        trl_step_metrics.step_values = step_values
+
+    def stop(self) -> None:
+        self._module.step_values = self._original
 
 
 def run(out: str, steps: int, variant: str) -> None:
@@ -85,11 +114,15 @@ def run(out: str, steps: int, variant: str) -> None:
             peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
         )
         deterministic_completions(trainer, PAD_ID, EOS_ID, len(SPECIAL_TOKENS), len(VOCAB))
+        step_peaks = _StepPeaks()
         start = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            step_peaks.stop()
         elapsed = time.perf_counter() - start
-    peak_bytes = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0  # CPU: a harness check only
-    peak = torch.tensor([peak_bytes / 2**30], device=state.device)
+    peak_bytes = max([torch.cuda.max_memory_allocated(), *step_peaks.bytes]) if torch.cuda.is_available() else 0
+    peak = torch.tensor([peak_bytes / 2**30], device=state.device)  # CPU: 0, a harness check only
     peaks = trainer.accelerator.gather(peak).tolist()
     history = [log for log in trainer.state.log_history if "loss" in log]
     if state.is_main_process:

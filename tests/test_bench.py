@@ -226,9 +226,27 @@ def test_e2e_results_summary_plot_and_table(tmp_path):
 def test_e2e_child_failure_becomes_a_row(tmp_path):
     # On this machine the child cannot start vLLM (no GPU or no vLLM): the driver records why instead of raising
     spec = {"variant": "stock", "shape": "tiny", "checkpoint": str(tmp_path / "missing"), "output_dir": str(tmp_path),
-            "generations": 2, "prompt_len": 4, "completion_len": 4, "steps": 1, "warmup": 0, "seed": 0}
+            "generations": 2, "prompt_len": 4, "completion_len": 4, "steps": 1, "warmup": 0, "seed": 0,
+            "quantization": "none", "launch": e2e.SINGLE_GPU, "processes": 1}
     row = e2e._run_child(spec, timeout_s=300)
     assert row["variant"] == "stock" and row["ok"] is False and row["error"]
+
+
+def test_e2e_ranks_merge_into_one_row_and_scaling_is_against_one_gpu():
+    one = {**_e2e_row("turbo", 20.0, 29.0), "launch": e2e.SINGLE_GPU, "processes": 1, "rank": 0}
+    rank0 = {**_e2e_row("turbo", 22.0, 30.0), "launch": "multi_gpu", "processes": 2, "rank": 0}
+    rank1 = {**_e2e_row("turbo", 24.0, 31.0), "launch": "multi_gpu", "processes": 2, "rank": 1}
+    merged = e2e.merge_ranks([rank1, rank0])
+    assert merged["rank"] == 0 and merged["ok"]
+    assert merged["peak_gib"] == 31.0 and merged["peak_gib_per_rank"] == [30.0, 31.0]
+    assert merged["step_s"] == 24.0 and merged["step_s_per_rank"] == [22.0, 24.0]  # the slowest rank
+    scaling = e2e.scaling([one, merged], completion_len=4096)
+    assert scaling["multi_gpu/turbo"]["throughput_vs_1gpu"] == pytest.approx(2 * 20.0 / 24.0)
+    assert scaling["multi_gpu/turbo"]["scaling_efficiency"] == pytest.approx(20.0 / 24.0)
+    assert "throughput_vs_1gpu" not in scaling["1gpu/turbo"]
+    assert e2e.launch_command("multi_gpu", 2)[-4:] == ["--num_processes", "2", "-m", "trl_turbo.bench.e2e"]
+    with pytest.raises(SystemExit, match="no accelerate config"):
+        e2e.launch_command("not_a_config", 2)
 
 
 def test_e2e_refuses_to_run_without_a_gpu(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-"""GPU + vLLM: the shared-weight engine for every supported model family (llama is covered at length by
-test_vllm_engine.py). Each family runs in a child process (one vLLM engine per process): one copy of the base
+"""GPU + vLLM: the shared-weight engine for every supported model family, 16-bit (llama is covered at length by
+test_vllm_engine.py) and bitsandbytes 4-bit (NF4 with double quantization; FP4 for llama). Each family runs in a child process (one vLLM engine per process): one copy of the base
 weights, vLLM's samples scored by the live adapter before and after three GRPO steps, adapter sync in milliseconds."""
 
 from __future__ import annotations
@@ -21,17 +21,23 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TIED = {"gemma", "gemma2", "gemma3_text"}
 
 
-@pytest.mark.parametrize("arch", [arch for arch in SHARED_WEIGHT_MODEL_TYPES if arch != "llama"])
-def test_family_shares_weights_and_samples_from_the_adapter(arch, tmp_path):
+CASES = ([(arch, None) for arch in SHARED_WEIGHT_MODEL_TYPES if arch != "llama"]
+         + [(arch, "nf4") for arch in SHARED_WEIGHT_MODEL_TYPES] + [("llama", "fp4")])
+
+
+@pytest.mark.parametrize(("arch", "quantization"), CASES, ids=[f"{a}-{q or 'bf16'}" for a, q in CASES])
+def test_family_shares_weights_and_samples_from_the_adapter(arch, quantization, tmp_path):
     # An engine of this process (test_vllm_engine.py) left TRL's MASTER_PORT etc. in os.environ
-    process = subprocess.run([sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path)],
-                             capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
+    command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path)]
+    process = subprocess.run(command + ([quantization] if quantization else []), capture_output=True, text=True,
+                             timeout=600, env=fresh_rendezvous_env())
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
     print(result)
     expected = {"frozen_matrices": 2 * 7 + (1 if arch in TIED else 2), "second_copies": []}
     assert result["copies_before"] == expected and result["copies_after"] == expected
+    assert result["four_bit_matrices"] == (2 * 7 if quantization else 0)  # the projections; embedding, head 16-bit
     for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
         assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
     assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5

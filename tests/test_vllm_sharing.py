@@ -302,10 +302,3 @@ def test_trainer_inputs_that_cannot_share_are_refused_before_loading():
     with pytest.raises(ValueError, match="'gpt2'"):
         check_trainer_inputs(config, gpt2, LoraConfig(r=8))
     check_trainer_inputs(types.SimpleNamespace(turbo_vllm_shared_weights=False), gpt2, None)  # switch off: no check
-    quantized = types.SimpleNamespace(turbo_vllm_shared_weights=True,
-                                      model_init_kwargs={"quantization_config": {"load_in_4bit": True}})
-    with pytest.raises(ValueError, match="bitsandbytes.*turbo_vllm_shared_weights=False"):
-        check_trainer_inputs(quantized, "some/checkpoint", LoraConfig(r=8))  # refused before anything loads
-    llama.is_loaded_in_4bit = True
-    with pytest.raises(ValueError, match="4-bit"):
-        check_trainer_inputs(config, llama, LoraConfig(r=8))

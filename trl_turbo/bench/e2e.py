@@ -9,6 +9,12 @@ the statistics of torch's allocator; the step time is wall time between TRL's st
 synchronised. The instrumentation (timers around ``VLLMGeneration.generate``/``sync_weights`` on the instance, a
 callback) is the same for both variants and changes no behaviour. The checkpoint is a random-init model of a named
 shape, saved once with a word-level tokenizer over its whole vocabulary (nothing is downloaded).
+
+Several GPUs: a launch other than ``1gpu`` names one of TRL's shipped accelerate configs (``multi_gpu``, ``zero2``,
+…); the variant's child is then ``accelerate launch`` of this module, each rank samples its own GPU and writes its
+own row, and the driver merges them (peak: the largest of any GPU; step time: the slowest rank's median). Every rank
+takes a whole group of generations per step, so N GPUs do N times the work of one per step, and throughput is
+completion tokens per second over all GPUs.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import DEFAULT_RESULTS_DIR, GIB
-from .shapes import SHAPES, build_config
+from .shapes import QUANTIZATIONS, SHAPES, build_config
 
 # What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
 # KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the
@@ -207,9 +213,12 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     set_patched(variant != "stock")
     from trl import GRPOConfig, GRPOTrainer
 
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    torch.cuda.set_device(device)
     torch.cuda.init()
-    row: dict[str, Any] = {"variant": variant, "shape": spec["shape"], "generations": spec["generations"],
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    row: dict[str, Any] = {"variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
+                           "launch": spec["launch"], "generations": spec["generations"],
                            "prompt_len": spec["prompt_len"], "completion_len": spec["completion_len"], "ok": False,
                            "error": None}
     config = GRPOConfig(
@@ -217,14 +226,16 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         per_device_train_batch_size=spec["generations"], num_generations=spec["generations"],
         max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
         gradient_checkpointing=True, report_to="none", save_strategy="no",
-        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa"},
+        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa",
+                           **({"quantization_config": QUANTIZATIONS[spec["quantization"]]}
+                              if QUANTIZATIONS[spec["quantization"]] else {})},
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
         **VARIANT_CONFIG[variant],
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
-    dataset = Dataset.from_dict({"prompt": prompts(spec["steps"], spec["prompt_len"], tokenizer.vocab_size,
-                                                   spec["seed"])})
+    dataset = Dataset.from_dict({"prompt": prompts(spec["steps"] * processes, spec["prompt_len"],
+                                                   tokenizer.vocab_size, spec["seed"])})
     steps: list[dict[str, Any]] = []
     trainer = None
     with MemorySampler(device) as sampler:
@@ -257,6 +268,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         step.update(log)
     row["steps"] = steps
     row.update(summarize(steps, spec["warmup"]))
+    row["rank"], row["processes"] = int(os.environ.get("RANK", 0)), processes
     return row
 
 
@@ -300,23 +312,69 @@ def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ driver
+SINGLE_GPU = "1gpu"
+
+
+def launch_command(launch: str, processes: int) -> list[str]:
+    """The command that starts one variant's child: plain Python on one GPU, else `accelerate launch` with TRL's
+    shipped accelerate config named `launch`."""
+    if launch == SINGLE_GPU:
+        return [sys.executable, "-m", "trl_turbo.bench.e2e"]
+    import trl
+
+    config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
+    if not config.exists():
+        raise SystemExit(f"unknown launch {launch!r}: TRL ships no accelerate config {config.name}")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+            str(processes), "-m", "trl_turbo.bench.e2e"]
+
+
+def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from each rank's: rank 0's, with the peaks the largest of any GPU, the step time the slowest rank's,
+    and every rank's peak and step time kept."""
+    rows = sorted(rows, key=lambda row: row.get("rank", 0))
+    merged = dict(rows[0])
+    if len(rows) == 1:
+        return merged
+    merged["ok"] = all(row.get("ok") for row in rows)
+    merged["error"] = next((row["error"] for row in rows if row.get("error")), None)
+    for key in ("peak_gib", "init_peak_gib", "generation_peak_gib", "train_peak_gib", "step_s", "generate_s",
+                "sync_s"):
+        values = [row[key] for row in rows if row.get(key) is not None]
+        merged[key] = max(values) if values else None
+        merged[f"{key}_per_rank"] = [row.get(key) for row in rows]
+    merged["timelines_per_rank"] = [row.get("timeline") for row in rows[1:]]
+    return merged
+
+
 def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    processes = spec["processes"]
     with tempfile.TemporaryDirectory() as scratch:
-        spec_path, row_path = Path(scratch) / "spec.json", Path(scratch) / "row.json"
-        spec_path.write_text(json.dumps({**spec, "row_path": str(row_path)}))
+        spec_path = Path(scratch) / "spec.json"
+        row_paths = [Path(scratch) / f"row{rank}.json" for rank in range(processes)]
+        spec_path.write_text(json.dumps({**spec, "row_dir": scratch}))
         try:
-            process = subprocess.run([sys.executable, "-m", "trl_turbo.bench.e2e", str(spec_path)],
-                                     timeout=timeout_s, check=False)
+            process = subprocess.run([*launch_command(spec["launch"], processes), str(spec_path)],
+                                     timeout=timeout_s, check=False, env=_fresh_env())
             failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
         except subprocess.TimeoutExpired:
             failure = f"timed out after {timeout_s:.0f} s"
-        if row_path.exists():
-            row = json.loads(row_path.read_text())
+        rows = [json.loads(path.read_text()) for path in row_paths if path.exists()]
+        if len(rows) == processes:
+            row = merge_ranks(rows)
         else:
-            row = {"variant": spec["variant"], "ok": False, "error": failure or "no result written"}
+            row = {"variant": spec["variant"], "ok": False,
+                   "error": failure or f"{processes - len(rows)} of {processes} ranks wrote no result"}
+    row["launch"] = spec["launch"]
     if failure and row.get("ok"):
         row["error"] = failure  # e.g. a crash at interpreter exit after the measurement was written
     return row
+
+
+def _fresh_env() -> dict[str, str]:
+    from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
+
+    return fresh_rendezvous_env()
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -330,6 +388,11 @@ def run(args: argparse.Namespace) -> Path:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         raise SystemExit("the e2e benchmark runs vLLM: it needs a CUDA GPU")
+    launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
+    for launch in launches:
+        launch_command(launch, args.processes)  # an unknown launch fails before anything runs
+    if args.quantization not in QUANTIZATIONS:
+        raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}")
     start = time.perf_counter()
     prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda")
@@ -339,22 +402,52 @@ def run(args: argparse.Namespace) -> Path:
               "prompt_len": args.prompt_len, "completion_len": args.completion_len, "steps": args.steps,
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
               "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "dtype": "bfloat16",
+              "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
+              "launches": launches, "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes
+                                                             for launch in launches},
               "variant_config": {v: VARIANT_CONFIG[v] for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
                                 "generation_kwargs": {"ignore_eos": True},
                                 "vllm_max_model_length": args.prompt_len + args.completion_len}}
     meta = metadata("e2e", device, config)
-    stem = f"e2e-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}"
+    quantized = "" if args.quantization == "none" else f"-{args.quantization}"
+    several = "" if launches == [SINGLE_GPU] else f"-{args.processes}gpu"
+    stem = f"e2e-{args.shape}{quantized}{several}-{time.strftime('%Y%m%d-%H%M%S')}"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as output_dir:
-        for variant in variants:
-            spec = {"variant": variant, "checkpoint": str(checkpoint), "output_dir": output_dir, **config}
-            row = _run_child(spec, args.variant_timeout)
-            rows.append(row)
-            print(format_row(row), flush=True)
-            path = write_results(meta, rows, Path(args.out), stem)
+        for launch in launches:
+            for variant in variants:
+                processes = config["processes_per_launch"][launch]
+                spec = {"variant": variant, "launch": launch, "processes": processes, "checkpoint": str(checkpoint),
+                        "output_dir": output_dir, **config}
+                row = _run_child(spec, args.variant_timeout)
+                rows.append(row)
+                print(format_row(row), flush=True)
+                path = write_results(meta, rows, Path(args.out), stem)
+    meta["scaling"] = scaling(rows, args.completion_len)
+    path = write_results(meta, rows, Path(args.out), stem)
+    print(json.dumps(meta["scaling"], indent=1))
     print(f"wrote {path} (+ .png)")
     return path
+
+
+def scaling(rows: list[dict[str, Any]], completion_len: int) -> dict[str, Any]:
+    """Per launch and variant: completion tokens per second over all GPUs, and against the same variant on one GPU
+    (its throughput ratio and the ratio divided by the GPU count, the scaling efficiency)."""
+    out: dict[str, Any] = {}
+    single = {row["variant"]: row for row in rows if row.get("launch") == SINGLE_GPU and row.get("ok")}
+    for row in rows:
+        if not row.get("ok") or not row.get("step_s"):
+            continue
+        processes = row.get("processes", 1)
+        tokens = row["generations"] * processes * completion_len
+        entry = {"processes": processes, "completion_tokens_per_s": tokens / row["step_s"]}
+        base = single.get(row["variant"])
+        if base is not None and base is not row and base.get("step_s"):
+            ratio = entry["completion_tokens_per_s"] / (row["generations"] * completion_len / base["step_s"])
+            entry.update({"throughput_vs_1gpu": ratio, "scaling_efficiency": ratio / processes})
+        out[f"{row['launch']}/{row['variant']}"] = entry
+    return out
 
 
 def write_results(meta: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path, stem: str) -> Path:
@@ -376,21 +469,22 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     for row in rows:
         if row.get("timeline"):
             xs, ys = zip(*row["timeline"])
-            memory.plot(xs, ys, label=row["variant"], linewidth=1)
+            memory.plot(xs, ys, label=_label(row) + (" (GPU 0)" if row.get("processes", 1) > 1 else ""),
+                        linewidth=1)
     memory.set_xlabel("time since trainer construction (s)")
     memory.set_ylabel("device memory in use (GiB)")
     memory.grid(alpha=0.3)
-    names = [row["variant"] for row in rows if row.get("steps")]
+    names = [_label(row) for row in rows if row.get("steps")]
     for index, row in enumerate(r for r in rows if r.get("steps")):
         sync = [s.get("sync_s", 0.0) for s in row["steps"]]
         generate = [s.get("generate_s", 0.0) for s in row["steps"]]
         rest = [s["step_s"] - g - y for s, g, y in zip(row["steps"], generate, sync)]
         xs = [step + index * 0.4 for step in range(len(row["steps"]))]
-        steps.bar(xs, generate, width=0.4, color=f"C{index}", label=f"{row['variant']}: generation")
+        steps.bar(xs, generate, width=0.4, color=f"C{index}", label=f"{_label(row)}: generation")
         steps.bar(xs, sync, width=0.4, bottom=generate, color=f"C{index}", alpha=0.35,
-                  label=f"{row['variant']}: weight sync")
+                  label=f"{_label(row)}: weight sync")
         steps.bar(xs, rest, width=0.4, bottom=[g + y for g, y in zip(generate, sync)], color=f"C{index}", alpha=0.7,
-                  hatch="//", label=f"{row['variant']}: scoring + training")
+                  hatch="//", label=f"{_label(row)}: scoring + training")
     most = max((len(row["steps"]) for row in rows if row.get("steps")), default=0)
     steps.set_xticks([step + 0.2 * (len(names) - 1) for step in range(most)], [str(step + 1) for step in range(most)])
     steps.set_xlabel("step")
@@ -404,12 +498,17 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def _label(row: dict[str, Any]) -> str:
+    launch = row.get("launch", SINGLE_GPU)
+    return row["variant"] if launch == SINGLE_GPU else f"{row['variant']} {launch}×{row.get('processes')}"
+
+
 def format_row(row: dict[str, Any]) -> str:
     from . import fmt
 
     if not row.get("ok"):
-        return f"{row['variant']:>6} FAILED: {row.get('error')}"
-    return (f"{row['variant']:>6} init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  "
+        return f"{_label(row):>6} FAILED: {row.get('error')}"
+    return (f"{_label(row):>6} init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  "
             f"step peak={fmt(row['peak_gib'], '6.2f')} GiB (generation "
             f"{fmt(row['generation_peak_gib'], '6.2f')}, training {fmt(row['train_peak_gib'], '6.2f')})  "
             f"step={fmt(row['step_s'], '6.2f')} s  generate={fmt(row['generate_s'], '6.2f')} s  "
@@ -426,6 +525,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", default="none", choices=sorted(QUANTIZATIONS),
+                        help="nf4: QLoRA (bitsandbytes 4-bit NF4, double quantization, bf16 compute)")
+    parser.add_argument("--launches", default=SINGLE_GPU,
+                        help=f"comma-separated: {SINGLE_GPU} and/or TRL accelerate configs (multi_gpu, zero2, …)")
+    parser.add_argument("--processes", type=int, default=2, help="GPUs of each launch other than 1gpu")
     parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
@@ -435,7 +539,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _child_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     row = run_variant(spec)
-    Path(spec["row_path"]).write_text(json.dumps(row))
+    Path(spec["row_dir"], f"row{row['rank']}.json").write_text(json.dumps(row))
     sys.stdout.flush()
     sys.stderr.flush()
     # The measurement is saved; skip interpreter teardown, where an in-process vLLM engine can hang on exit.

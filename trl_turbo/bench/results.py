@@ -49,7 +49,7 @@ _TABLE_LAYOUT: dict[str, dict[str, Any]] = {
     "e2e": {
         "impl": "variant",
         "baseline": "stock",
-        "key": ("generations", "prompt_len", "completion_len"),
+        "key": ("quantization", "launch", "processes", "generations", "prompt_len", "completion_len"),
         "metrics": (("peak_gib", "peak GiB", "{:.2f}"), ("step_s", "step s", "{:.2f}"), ("sync_s", "sync s", "{:.3f}")),
     },
     "loss": {

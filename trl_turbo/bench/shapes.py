@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+# bitsandbytes settings a benchmark can load its model with (`BitsAndBytesConfig` arguments, JSON-able)
+QUANTIZATIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16"},
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
         "model_type": "llama",

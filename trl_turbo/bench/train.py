@@ -35,7 +35,7 @@ from . import (
     synchronize,
 )
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
-from .shapes import SHAPES, build_config
+from .shapes import QUANTIZATIONS, SHAPES, build_config
 
 # Config each variant adds to GRPOConfig; stock runs with trl_turbo unpatched. Order matters: each later variant's
 # trainer installs on top of the shared model what the earlier ones did not.
@@ -46,13 +46,6 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "turbo-liger": {"turbo_liger_layers": True},  # last: Liger's layers stay installed on the shared model
 }
 VARIANTS = tuple(VARIANT_CONFIG)
-
-
-QUANTIZATIONS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-            "bnb_4bit_compute_dtype": torch.bfloat16},
-}
 
 
 def build_model(shape: str, device: torch.device, lora_r: int = 16, quantization: str = "none") -> torch.nn.Module:

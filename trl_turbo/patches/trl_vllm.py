@@ -6,7 +6,9 @@ Seams, all methods of `VLLMGeneration`:
   the training dtype (`turbo_vllm_match_precision`: TRL would leave a bf16 sampler under fp16 training, the
   mismatch arXiv 2510.26788 removes), one LoRA slot and dummy weights (shared weights), CuMem pools and a KV budget
   (standby), the KV dtype. With shared weights the HF model's frozen matrices wait on the host during the call;
-  after it they are copied into vLLM once and become views of vLLM's, and the KV cache is released.
+  after it they are copied into vLLM once and become views of vLLM's, and the KV cache is released. A 4-bit
+  (bitsandbytes) model goes in while the engine is built instead: vLLM is told the HF quantization config and its
+  bitsandbytes loader is fed the training model's packed bytes and quantization states.
 - `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
   also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors.
 - `generate`: the KV cache is mapped back before and released after TRL's generation, and TRL's `llm.generate`
@@ -16,6 +18,7 @@ Timings and memory go to the trainer's metrics under `vllm/`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -31,6 +34,13 @@ from ..vllm.kv_budget import (
     kv_bytes_per_token,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
+)
+from ..vllm.quantized import (
+    four_bit_weights,
+    quantization_config_dict,
+    sharing_problems,
+    statistics_bytes,
+    vllm_quantization_config,
 )
 from . import registry
 from .trl_trainer_init import constructing_config
@@ -68,21 +78,24 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any) -> None:
     if problems:
         raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
                          f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
-    if _quantized(model, config):
-        raise ValueError("`turbo_vllm_shared_weights=True` shares 16-bit base weights; this model is quantized with "
-                         "bitsandbytes, and sharing 4-bit weights with vLLM is not supported yet (trl_turbo issue #8). "
-                         "Set `turbo_vllm_shared_weights=False` (vLLM then loads its own 4-bit copy).")
+    quantization = _quantization(model, config)
+    problems = sharing_problems(quantization) if quantization is not None else []
+    if problems:
+        raise ValueError(f"`turbo_vllm_shared_weights=True` cannot share this quantized model's weights with vLLM: "
+                         f"{'; '.join(problems)}. Change the quantization config or set "
+                         "`turbo_vllm_shared_weights=False`.")
     model_type = _model_type(model, config)
     if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
         raise ValueError(f"`turbo_vllm_shared_weights=True` supports model types {', '.join(SHARED_WEIGHT_MODEL_TYPES)}"
                          f"; this model is {model_type!r}. Set `turbo_vllm_shared_weights=False` for it.")
 
 
-def _quantized(model: Any, config: Any) -> bool:
-    """Whether the policy is (or will be loaded) quantized: known before loading from `model_init_kwargs`."""
+def _quantization(model: Any, config: Any) -> dict[str, Any] | None:
+    """The policy's quantization config as a dict (None: not quantized); known before loading from
+    `model_init_kwargs`."""
     if isinstance(model, str):
-        return (config.model_init_kwargs or {}).get("quantization_config") is not None
-    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+        return quantization_config_dict((config.model_init_kwargs or {}).get("quantization_config"))
+    return quantization_config_dict(getattr(getattr(model, "config", None), "quantization_config", None))
 
 
 def _model_type(model: Any, config: Any) -> str | None:
@@ -110,7 +123,14 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
     if shared:
         peft_model = generation.model
         kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
-        kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
+        if four_bit_weights(peft_model):
+            # vLLM's bitsandbytes loader takes the training model's 4-bit weights (`feeding_4bit_weights`); the HF
+            # quantization config tells vLLM which layers are 4-bit
+            quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
+            kwargs["quantization"] = "bitsandbytes"
+            kwargs["hf_overrides"] = {"quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}
+        else:
+            kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
     if standby:
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
         if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
@@ -127,6 +147,7 @@ def _kv_budget(generation: Any, shared: bool, kv_cache_dtype: str) -> int:
     model = generation.model
     free, total = torch.cuda.mem_get_info(generation.accelerator.device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    weights += statistics_bytes(model)  # vLLM's fp32 block scales of 4-bit weights (its own copy)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -180,8 +201,14 @@ def _wrap_init_vllm(original):
                 return llm_cls(*args, **{**llm_kwargs, **kwargs})
 
             module.LLM = llm_with_turbo_arguments
+            feeding = contextlib.nullcontext()
+            if shared and kwargs.get("quantization") == "bitsandbytes":
+                from . import vllm_engine
+
+                feeding = vllm_engine.feeding_4bit_weights(self.model)
             try:
-                result = original(self)
+                with feeding:
+                    result = original(self)
             finally:
                 module.LLM = llm_cls
             if shared or _setting(config, "turbo_vllm_standby"):

@@ -9,6 +9,10 @@ Three mechanisms, each on vLLM's own objects rather than re-implemented:
   Each push gets a new id and name, so vLLM's adapter cache and prefix cache never serve a stale adapter.
 - One copy, also while starting: the training model's frozen matrices wait in host memory while vLLM allocates its
   weights (`ParkedWeights`), are copied in, and come back as views of vLLM's tensors.
+- 4-bit (bitsandbytes) models. vLLM's bitsandbytes loader is the only way its 4-bit layers get their quantization
+  states, and it runs while the engine is built (its profiling run needs them). For that call only, the loader's
+  `_get_quantized_weights_iterator` yields the training model's packed bytes and states instead of quantizing a
+  checkpoint (`feeding_4bit_weights`); vLLM's own code stacks the shards and binds the states.
 - KV standby. With `enable_sleep_mode=True` vLLM allocates its weights and its KV cache from tagged CuMem pools.
   vLLM's `sleep()` unmaps both (the weights are then copied out or discarded), so standby unmaps only the
   `kv_cache` allocations and maps them back at the same addresses before the next generation, then redoes what
@@ -17,8 +21,9 @@ Three mechanisms, each on vLLM's own objects rather than re-implemented:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -221,9 +226,13 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     `training_device`; the move then leaves them in place. Returns the bytes now held once instead of twice."""
     from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
 
+    from ..vllm.quantized import four_bit_weights
+
     base = _base(peft_model)
     vllm_model = driver_model(llm)
-    load_weights(llm, _hf_state_for_vllm(base))
+    packed = four_bit_weights(base)
+    if not packed:  # 4-bit weights went in while the engine was built (`feeding_4bit_weights`)
+        load_weights(llm, _hf_state_for_vllm(base))
     frozen = _frozen_matrix_weights(base)
     home = parked.home if parked is not None else {name: weight.device for name, weight in frozen.items()}
     vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
@@ -246,6 +255,8 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
         if not torch.equal(target, weight.detach().to(target.device)):
             raise LayoutMismatch(f"{view.hf_name}: vLLM's rows [{view.start}, {view.stop}) of {view.vllm_name} differ "
                                  "from the HF weight after loading; refusing to share a layout that does not match.")
+        if view.hf_name in packed:
+            _check_4bit_state(view, weight, vllm_params[view.vllm_name])
         targets.append((weight, target))
     shared = 0
     for weight, target in targets:
@@ -254,3 +265,39 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return shared
+
+
+# -------------------------------------------------------------------------------------------- 4-bit weights
+@contextlib.contextmanager
+def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
+    """While vLLM builds an engine in this block, its bitsandbytes loader takes the training model's 4-bit bytes and
+    quantization states (and its 16-bit tensors) instead of reading and quantizing the checkpoint."""
+    from vllm.model_executor.model_loader.bitsandbytes_loader import BitsAndBytesModelLoader
+
+    from ..vllm.quantized import weights_for_vllm
+
+    base = _base(peft_model)
+
+    def training_weights(loader: Any, model_name_or_path: str, revision: Any) -> tuple[Any, dict[str, Any]]:
+        return weights_for_vllm(base, _hf_state_for_vllm(base))
+
+    original = BitsAndBytesModelLoader.__dict__["_get_quantized_weights_iterator"]
+    BitsAndBytesModelLoader._get_quantized_weights_iterator = training_weights
+    try:
+        yield
+    finally:
+        BitsAndBytesModelLoader._get_quantized_weights_iterator = original
+
+
+def _check_4bit_state(view: Any, weight: torch.Tensor, vllm_param: torch.Tensor) -> None:
+    """vLLM's state for the shard `view` names dequantizes to the values of the HF weight's own state."""
+    from ..vllm.weight_views import LayoutMismatch
+    from ..vllm.quantized import same_quantization
+
+    states, offsets = getattr(vllm_param, "bnb_quant_state", None), getattr(vllm_param, "bnb_shard_offsets", None)
+    if states is None or offsets is None:
+        raise LayoutMismatch(f"{view.vllm_name} has no bitsandbytes quantization state; vLLM did not load it as 4-bit")
+    starts = [int(offset) for offset in offsets[:-1]]
+    if view.start not in starts or not same_quantization(weight.quant_state, states[starts.index(view.start)]):
+        raise LayoutMismatch(f"{view.hf_name}: vLLM's quantization state for rows [{view.start}, {view.stop}) of "
+                             f"{view.vllm_name} differs from the HF layer's; refusing to share.")

@@ -35,12 +35,16 @@ def vllm_storage_spans(llm: Any) -> list[tuple[int, int]]:
             for _, p in driver_model(llm).named_parameters()]
 
 
-def weight_copies(trainer: Any) -> dict[str, Any]:
-    """How many frozen HF matrices there are, and which of them do not live inside vLLM's weights (a second copy)."""
+def _frozen(trainer: Any) -> dict[str, torch.Tensor]:
     from trl_turbo.patches.vllm_engine import _frozen_matrix_weights
 
+    return _frozen_matrix_weights(trainer.model.get_base_model())
+
+
+def weight_copies(trainer: Any) -> dict[str, Any]:
+    """How many frozen HF matrices there are, and which of them do not live inside vLLM's weights (a second copy)."""
     spans = vllm_storage_spans(trainer.vllm_generation.llm)
-    frozen = _frozen_matrix_weights(trainer.model.get_base_model())
+    frozen = _frozen(trainer)
     second = [name for name, weight in frozen.items()
               if not any(start <= weight.data_ptr() < stop for start, stop in spans)]
     return {"frozen_matrices": len(frozen), "second_copies": second}
@@ -90,8 +94,18 @@ def randomize_adapter(model: torch.nn.Module, std: float = 0.02) -> None:
                 param.normal_(0, std, generator=torch.Generator(param.device).manual_seed(0))
 
 
-def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, **config_overrides: Any) -> Any:
-    """A shared-weight, standby GRPOTrainer with colocated vLLM over a tiny random ``arch`` model saved at ``path``."""
+# bitsandbytes 4-bit configs the checks run with (`python -m trl_turbo.testing.vllm_checks <arch> <dir> nf4`)
+QUANTIZATIONS: dict[str, dict[str, Any]] = {
+    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16"},
+    "fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_compute_dtype": "bfloat16"},
+}
+
+
+def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quantization: str | None = None,
+                  **config_overrides: Any) -> Any:
+    """A shared-weight, standby GRPOTrainer with colocated vLLM over a tiny random ``arch`` model saved at ``path``
+    (loaded through bitsandbytes with one of ``QUANTIZATIONS``, if named)."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -109,7 +123,8 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, **conf
         str(path / "out"), use_cpu=False, bf16=True, use_vllm=True, vllm_mode="colocate",
         turbo_vllm_shared_weights=True, turbo_vllm_standby=True, max_steps=steps, per_device_train_batch_size=8,
         num_generations=8, max_completion_length=completion_cap, learning_rate=2e-3, optim="adamw_torch",
-        model_init_kwargs={"dtype": "bfloat16"}, **config_overrides,
+        model_init_kwargs={"dtype": "bfloat16", **({"quantization_config": QUANTIZATIONS[quantization]}
+                                                   if quantization else {})}, **config_overrides,
     ))
     return GRPOTrainer(
         model=str(path), reward_funcs=[make_length_reward(completion_cap)], args=config,
@@ -118,7 +133,7 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, **conf
     )
 
 
-def check_family(arch: str, path: Path, steps: int = 3) -> dict[str, Any]:
+def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None = None) -> dict[str, Any]:
     """One copy of the base weights, samples from the live adapter before and after training steps."""
     import functools
 
@@ -126,15 +141,16 @@ def check_family(arch: str, path: Path, steps: int = 3) -> dict[str, Any]:
 
     # Eager vLLM: compiling and capturing graphs would take most of each family's time and is not what is checked
     vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
-    trainer = build_trainer(arch, path, steps=steps, completion_cap=8)
+    trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization)
     # DeepSpeed places the model on the device only when training starts; the checks before it need it there now
     trainer.model.to(trainer.accelerator.device)
     randomize_adapter(trainer.model)
-    result: dict[str, Any] = {"arch": arch, "copies_before": weight_copies(trainer)}
+    result: dict[str, Any] = {"arch": arch, "quantization": quantization, "copies_before": weight_copies(trainer)}
     result["gaps_before"] = logprob_gaps(trainer)
     trainer.train()
     result["gaps_after"] = logprob_gaps(trainer)
     result["copies_after"] = weight_copies(trainer)
+    result["four_bit_matrices"] = sum(w.dtype == torch.uint8 for w in _frozen(trainer).values())
     result["weight_sync_s"] = [log["vllm/weight_sync_s"] for log in trainer.state.log_history
                                if "vllm/weight_sync_s" in log]
     return result
@@ -146,7 +162,7 @@ if __name__ == "__main__":
     # Under `accelerate launch`, every rank checks its own engine, with its own copy of the model files.
     rank = int(os.environ.get("RANK", 0))
     workdir = Path(sys.argv[2]) / f"rank{rank}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else Path(sys.argv[2])
-    result = {"rank": rank, **check_family(sys.argv[1], workdir)}
+    result = {"rank": rank, **check_family(sys.argv[1], workdir, quantization=(sys.argv[3:] or [None])[0])}
     print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
 

@@ -1,0 +1,115 @@
+"""The HF side of sharing 4-bit (bitsandbytes) weights with vLLM, on CPU (bitsandbytes' CPU backend quantizes):
+what vLLM's bitsandbytes loader is fed, that the training model's quantization states survive what vLLM does to
+its copies, and which quantization configs are refused before anything loads. The engine side (vLLM's loader,
+views of its packed shards, sampling through the adapter) is GPU-only: tests/test_vllm_families.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+import torch
+
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.testing.tokenizer import VOCAB
+from trl_turbo.vllm import quantized
+
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+
+
+def _quantized_peft_model(tmp_path, **bnb_kwargs):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**bnb_kwargs),
+                                                 dtype=torch.float32, device_map="cpu")
+    return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+
+
+@needs_bnb
+@pytest.mark.parametrize("double_quant", [True, False], ids=["nf4-double", "nf4"])
+def test_loader_is_fed_packed_bytes_and_new_states_under_hf_names(tmp_path, double_quant):
+    from trl_turbo.patches.vllm_engine import _base, _hf_state_for_vllm
+
+    model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=double_quant)
+    base = _base(model)
+    packed = quantized.four_bit_weights(base)
+    assert len(packed) == 2 * 7  # every projection of both layers; the embedding and LM head stay 16-bit
+    tensors, states = quantized.weights_for_vllm(base, _hf_state_for_vllm(base))
+    tensors = dict(tensors)
+    assert set(states) == set(packed)
+    assert not [n for n in tensors if "lora_" in n or "base_layer" in n or n.count(".weight") != 1
+                or not n.endswith(".weight")], "only plain HF weight names, no quantization statistics"
+    for name, weight in packed.items():
+        assert tensors[name].dtype == torch.uint8 and torch.equal(tensors[name], weight.data)
+        ours, theirs = weight.quant_state, states[name]
+        assert theirs is not ours and theirs.absmax is ours.absmax and theirs.nested == double_quant
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float32
+
+
+@needs_bnb
+def test_vllm_undoing_double_quantization_leaves_training_states_alone(tmp_path):
+    from bitsandbytes.functional import dequantize_4bit
+
+    model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True)
+    packed = quantized.four_bit_weights(model.get_base_model())
+    name, weight = next(iter(packed.items()))
+    before = dequantize_4bit(weight.data, weight.quant_state).clone()
+    theirs = quantized.state_for_vllm(weight.quant_state)
+    # what vLLM's loader does to the states it is given (BitsAndBytesModelLoader._dequantize_dq)
+    theirs.absmax, theirs.nested, theirs.offset, theirs.state2 = quantized.dequantized_absmax(theirs), False, None, None
+    assert weight.quant_state.nested and weight.quant_state.absmax.dtype == torch.uint8
+    assert quantized.same_quantization(weight.quant_state, theirs)
+    assert torch.equal(dequantize_4bit(weight.data, theirs), before)  # vLLM's copy dequantizes to the same values
+    other_name, other = list(packed.items())[1]
+    assert not quantized.same_quantization(other.quant_state, theirs), (name, other_name)
+
+
+def test_quantization_configs_that_cannot_share_are_named():
+    nf4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    assert quantized.sharing_problems(nf4) == []
+    assert quantized.sharing_problems({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}) == []
+    assert "8-bit" in quantized.sharing_problems({"load_in_8bit": True})[0]
+    assert "uint8" in quantized.sharing_problems({**nf4, "bnb_4bit_quant_storage": "bfloat16"})[0]
+    assert "host" in quantized.sharing_problems({**nf4, "llm_int8_enable_fp32_cpu_offload": True})[0]
+    assert "'gptq'" in quantized.sharing_problems({"quant_method": "gptq"})[0]
+    vllm_config = quantized.vllm_quantization_config(quantized.quantization_config_dict(nf4))
+    assert vllm_config["quant_method"] == "bitsandbytes" and vllm_config["llm_int8_skip_modules"] == []
+
+
+@needs_bnb
+def test_hf_bitsandbytes_config_becomes_a_plain_dict():
+    import json
+
+    from transformers import BitsAndBytesConfig
+
+    config = quantized.quantization_config_dict(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                                   bnb_4bit_compute_dtype=torch.bfloat16))
+    assert json.loads(json.dumps(config)) == config
+    assert config["quant_method"] == "bitsandbytes" and config["bnb_4bit_compute_dtype"] == "bfloat16"
+
+
+def test_quantized_trainer_inputs_are_checked_before_loading():
+    from peft import LoraConfig
+
+    from trl_turbo.patches.trl_vllm import check_trainer_inputs
+
+    def config(**quantization):
+        return types.SimpleNamespace(turbo_vllm_shared_weights=True,
+                                     model_init_kwargs={"quantization_config": quantization})
+
+    llama = tiny_model("llama", vocab_size=len(VOCAB))
+    with pytest.raises(ValueError, match="8-bit.*turbo_vllm_shared_weights=False"):
+        check_trainer_inputs(config(load_in_8bit=True), "some/checkpoint", LoraConfig(r=8))
+    with pytest.raises(ValueError, match="bnb_4bit_quant_storage"):
+        check_trainer_inputs(config(load_in_4bit=True, bnb_4bit_quant_storage="bfloat16"), "some/checkpoint",
+                             LoraConfig(r=8))
+    llama.config.quantization_config = {"load_in_8bit": True}
+    with pytest.raises(ValueError, match="8-bit"):
+        check_trainer_inputs(config(), llama, LoraConfig(r=8))
+    llama.config.quantization_config = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    check_trainer_inputs(config(), llama, LoraConfig(r=8))  # a 4-bit model is shared

@@ -1,0 +1,125 @@
+"""The training model's bitsandbytes 4-bit weights, as vLLM's bitsandbytes loader takes them.
+
+Design decision: vLLM does not quantize anything itself. Its loader is fed the training model's packed 4-bit bytes
+and quantization states (under HF names, as its in-flight quantizer would yield them), so vLLM's `qweight` shards
+hold exactly the bytes the HF `Linear4bit` layers hold, whatever the quantization (NF4 or FP4, double quantization
+or not, any block size), and the HF weights can then become views of them. The states handed over are new
+`QuantState` objects over the same tensors: vLLM's loader replaces the double-quantized statistics of the states it
+gets with dequantized fp32 ones (the same numbers, precomputed for speed), which must not change the training
+model's own states. The engine is described to vLLM by the HF quantization config itself (`hf_overrides`), so both
+sides agree on which layers are quantized. 8-bit layers and non-uint8 storage are refused: vLLM cannot hold them
+in a layout the HF layers could view.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .weight_views import hf_weight_name
+
+
+def quantization_config_dict(quantization_config: Any) -> dict[str, Any] | None:
+    """An HF quantization config (a `BitsAndBytesConfig`, its dict, or None) as a plain JSON-able dict."""
+    if quantization_config is None:
+        return None
+    if not isinstance(quantization_config, Mapping):
+        quantization_config = quantization_config.to_dict()
+    plain = {}
+    for key, value in quantization_config.items():
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        elif isinstance(value, enum.Enum):
+            value = value.value  # transformers' QuantizationMethod
+        plain[key] = value
+    plain.setdefault("quant_method", "bitsandbytes")
+    return plain
+
+
+def sharing_problems(config: Mapping[str, Any]) -> list[str]:
+    """Why 4-bit weights of a model quantized with `config` (a dict as `quantization_config_dict` gives it) cannot
+    be shared with vLLM (empty when they can)."""
+    problems = []
+    if config.get("quant_method", "bitsandbytes") != "bitsandbytes":
+        problems.append(f"the model is quantized with {config['quant_method']!r}; only bitsandbytes 4-bit is shared")
+        return problems
+    if config.get("load_in_8bit"):
+        problems.append("8-bit bitsandbytes layers (`load_in_8bit=True`) cannot be shared; use `load_in_4bit=True`")
+    elif not config.get("load_in_4bit"):
+        problems.append("the bitsandbytes config loads neither 4-bit nor 8-bit weights")
+    storage = str(config.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
+    if storage != "uint8":
+        problems.append(f"`bnb_4bit_quant_storage={storage!r}`: vLLM stores 4-bit weights as uint8 only")
+    if config.get("llm_int8_enable_fp32_cpu_offload"):
+        problems.append("`llm_int8_enable_fp32_cpu_offload=True` keeps layers on the host, where vLLM cannot see them")
+    return problems
+
+
+def vllm_quantization_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The `quantization_config` vLLM's `BitsAndBytesConfig.from_config` reads: the HF one, with the modules HF left
+    unquantized named explicitly."""
+    return {**config, "quant_method": "bitsandbytes", "llm_int8_skip_modules": list(config.get("llm_int8_skip_modules")
+                                                                                    or [])}
+
+
+def is_packed_4bit(weight: torch.Tensor) -> bool:
+    """A bitsandbytes `Params4bit` that holds packed 4-bit data (not yet-to-be-quantized 16-bit values)."""
+    return getattr(weight, "quant_state", None) is not None and weight.dtype == torch.uint8
+
+
+def four_bit_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The packed 4-bit weights of an HF model (PEFT-wrapped or not), by plain HF name."""
+    return {hf_weight_name(f"{name}.weight"): module.weight for name, module in model.named_modules()
+            if "lora_" not in name and is_packed_4bit(getattr(module, "weight", None))}
+
+
+def state_for_vllm(quant_state: Any) -> Any:
+    """A new `QuantState` over the same tensors (vLLM may rebind its fields; the training model's state stays)."""
+    from bitsandbytes.functional import QuantState
+
+    return QuantState(absmax=quant_state.absmax, shape=quant_state.shape, code=quant_state.code,
+                      blocksize=quant_state.blocksize, quant_type=quant_state.quant_type, dtype=quant_state.dtype,
+                      offset=quant_state.offset, state2=quant_state.state2)
+
+
+def weights_for_vllm(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                     ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """What vLLM's bitsandbytes loader expects from its weight iterator: (HF name, tensor) pairs, packed bytes for
+    4-bit weights, and the quantization state of each 4-bit weight by HF name. `named_tensors` is the model's
+    state under HF names; the quantization statistics bitsandbytes adds to it (`<weight>.absmax`, …) are left out,
+    since they travel as states."""
+    packed = four_bit_weights(model)
+    states = {name: state_for_vllm(weight.quant_state) for name, weight in packed.items()}
+    prefixes = tuple(f"{name}." for name in packed)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            if not name.startswith(prefixes):
+                yield name, tensor
+
+    return tensors(), states
+
+
+def dequantized_absmax(quant_state: Any) -> torch.Tensor:
+    """The per-block scales of a state, double quantization undone (fp32)."""
+    if not getattr(quant_state, "nested", False):
+        return quant_state.absmax.float()
+    from bitsandbytes.functional import dequantize_blockwise
+
+    return (dequantize_blockwise(quant_state.absmax, quant_state.state2) + quant_state.offset).float()
+
+
+def same_quantization(ours: Any, theirs: Any) -> bool:
+    """Whether two states dequantize the same bytes to the same values."""
+    return (tuple(ours.shape) == tuple(theirs.shape) and ours.blocksize == theirs.blocksize
+            and ours.quant_type == theirs.quant_type and ours.dtype == theirs.dtype
+            and torch.equal(ours.code.to(theirs.code.device), theirs.code)
+            and torch.equal(dequantized_absmax(ours).to(theirs.absmax.device), dequantized_absmax(theirs)))
+
+
+def statistics_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the fp32 per-block scales vLLM keeps for the 4-bit weights (it undoes double quantization)."""
+    return sum(weight.quant_state.absmax.numel() * 4 for weight in four_bit_weights(model).values())

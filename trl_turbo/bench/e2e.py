@@ -220,7 +220,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
                            "launch": spec["launch"], "generations": spec["generations"],
                            "prompt_len": spec["prompt_len"], "completion_len": spec["completion_len"], "ok": False,
-                           "error": None}
+                           "error": None, "rank": int(os.environ.get("RANK", 0)), "processes": processes}
     config = GRPOConfig(
         output_dir=spec["output_dir"], seed=spec["seed"], bf16=True, beta=0.0, learning_rate=1e-5,
         per_device_train_batch_size=spec["generations"], num_generations=spec["generations"],
@@ -252,7 +252,14 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
             row.update(weight_accounting(trainer))
             row.update(cumem_pools())
-            _instrument(trainer, sampler, steps)
+
+            def save_progress() -> None:  # a variant stopped by its timeout still leaves its finished steps
+                partial = {**row, "error": "stopped before the last step", "steps": steps,
+                           "timeline": sampler.timeline, **summarize(steps, spec["warmup"])}
+                _row_path(spec).write_text(json.dumps(partial))
+
+            save_progress()
+            _instrument(trainer, sampler, steps, save_progress)
             trainer.train()
             row["ok"] = True
         except torch.OutOfMemoryError:
@@ -268,12 +275,16 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         step.update(log)
     row["steps"] = steps
     row.update(summarize(steps, spec["warmup"]))
-    row["rank"], row["processes"] = int(os.environ.get("RANK", 0)), processes
     return row
 
 
-def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]]) -> None:
-    """Time generation and weight sync (on the instance) and record each step's time and phase peaks."""
+def _row_path(spec: dict[str, Any]) -> Path:
+    return Path(spec["row_dir"], f"row{os.environ.get('RANK', 0)}.json")
+
+
+def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]], on_step: Any) -> None:
+    """Time generation and weight sync (on the instance) and record each step's time and phase peaks (then call
+    `on_step`)."""
     import torch
     from transformers import TrainerCallback
 
@@ -297,6 +308,7 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
                           **{f"{phase}_peak_gib": used / GIB for phase, used in peaks.items()},
                           "peak_gib": max(peaks.values(), default=0) / GIB})
             sampler.phase = "between"
+            on_step()
 
     trainer.add_callback(StepRecorder())
 
@@ -366,8 +378,8 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             row = {"variant": spec["variant"], "ok": False,
                    "error": failure or f"{processes - len(rows)} of {processes} ranks wrote no result"}
     row["launch"] = spec["launch"]
-    if failure and row.get("ok"):
-        row["error"] = failure  # e.g. a crash at interpreter exit after the measurement was written
+    if failure:  # e.g. a crash at interpreter exit after the measurement was written, or a timeout mid-run
+        row["error"] = failure if row.get("ok") else f"{failure}: {row.get('error')}"
     return row
 
 
@@ -538,8 +550,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _child_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    row = run_variant(spec)
-    Path(spec["row_dir"], f"row{row['rank']}.json").write_text(json.dumps(row))
+    _row_path(spec).write_text(json.dumps(run_variant(spec)))
     sys.stdout.flush()
     sys.stderr.flush()
     # The measurement is saved; skip interpreter teardown, where an in-process vLLM engine can hang on exit.

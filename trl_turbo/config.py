@@ -155,7 +155,9 @@ class TurboFields:
             "help": "With a PEFT LoRA adapter, use_vllm=True and vllm_mode='colocate': the training model's frozen "
             "base weights become views of the vLLM engine's weights, so one copy exists (vLLM starts with dummy "
             "weights and receives the HF weights once), and each generation uses the live adapter through vLLM's "
-            "LoRA layers, handed over as tensors (no merge, no full-weight push, no files). Supported model "
+            "LoRA layers, handed over as tensors (no merge, no full-weight push, no files). bitsandbytes 4-bit "
+            "models share their packed 4-bit weights (vLLM's bitsandbytes loader gets the training model's bytes "
+            "and quantization states); 8-bit models are refused. Supported model "
             "types: " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + "; one process, DDP or DeepSpeed ZeRO-1/2 (every rank "
             "shares with its own engine), vllm_tensor_parallel_size=1."
         },

@@ -123,3 +123,32 @@ def test_stock_trl_still_validates_its_own_fields(tmp_path):
 def test_help_texts_survive_argparse_formatting():
     for turbo_field in TURBO_FIELDS:
         assert "%" not in turbo_field.metadata["help"], f"argparse would %-format {turbo_field.name}'s help"
+
+
+def test_liger_layers_default_is_on_only_for_one_cuda_process_with_liger(monkeypatch):
+    import importlib.util
+    import types
+
+    from trl_turbo.config import liger_layers_enabled
+
+    def args(**overrides):
+        return types.SimpleNamespace(**{"turbo_liger_layers": None, "use_cpu": False, "world_size": 1,
+                                        **overrides})
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert liger_layers_enabled(args()) is True
+    assert liger_layers_enabled(args(world_size=2)) is False  # several processes: not measured with Liger yet
+    assert liger_layers_enabled(args(use_cpu=True)) is False
+    assert liger_layers_enabled(args(turbo_liger_layers=False)) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert liger_layers_enabled(args()) is False
+    assert liger_layers_enabled(args(turbo_liger_layers=True)) is True  # explicit: validation refuses it without CUDA
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert liger_layers_enabled(args()) is False

@@ -180,12 +180,13 @@ class TurboFields:
             "('fp8', 'fp8_e4m3', 'fp8_e5m2'), which halves KV memory at a small cost in sampling precision."
         },
     )
-    turbo_liger_layers: bool = field(
-        default=False,
+    turbo_liger_layers: bool | None = field(
+        default=None,
         metadata={
             "help": "Route the RMSNorms and gated-SiLU MLPs of llama, mistral, qwen2 and qwen3 models through "
             "Liger-Kernel's fused Triton kernels (in place of the lean norms; the tiled MLP tiles Liger's MLP). "
-            "Needs liger-kernel and a CUDA GPU."
+            "None (default): on for a one-process run on a CUDA GPU with liger-kernel installed (where its "
+            "results were checked against stock), else off. True needs liger-kernel and a CUDA GPU."
         },
     )
 
@@ -269,6 +270,22 @@ def _check_memory_features_strategy(args: Any) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def liger_layers_enabled(args: Any) -> bool:
+    """`turbo_liger_layers` resolved: as set when True/False; None: on for a one-process CUDA run with liger-kernel
+    installed."""
+    import importlib.util
+
+    import torch
+
+    from .distributed import Strategy, detect_strategy
+
+    setting = getattr(args, "turbo_liger_layers", None)
+    if setting is not None:
+        return bool(setting)
+    return (importlib.util.find_spec("liger_kernel") is not None and torch.cuda.is_available()
+            and not getattr(args, "use_cpu", False) and detect_strategy(args) is Strategy.SINGLE)
 
 
 def _validate_liger(args: Any) -> None:

@@ -42,7 +42,7 @@ from .shapes import QUANTIZATIONS, SHAPES, build_config
 VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {},
     "turbo-loss": {"turbo_offload_checkpoints": False, "turbo_tiled_mlp": False},
-    "turbo": {},
+    "turbo": {"turbo_liger_layers": False},  # every other default; Liger's share is measured by turbo-liger
     "turbo-liger": {"turbo_liger_layers": True},  # last: Liger's layers stay installed on the shared model
 }
 VARIANTS = tuple(VARIANT_CONFIG)

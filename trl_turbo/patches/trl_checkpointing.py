@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..config import liger_layers_enabled
 from ..distributed import local_process_count
 from ..offload import CheckpointOffloader
 from .transformers_checkpointing import (
@@ -57,7 +58,7 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     checkpointing runtime, None when checkpointing is off or neither offload nor tiling is wanted."""
     args = trainer.args
     model = _base_model(trainer.model)
-    if getattr(args, "turbo_liger_layers", False):
+    if liger_layers_enabled(args):
         install_liger_layers(model)  # its norms save as little as the lean ones: they take their place
     elif getattr(args, "turbo_lean_norms", False):
         install_lean_norms(model)

@@ -50,6 +50,7 @@ _TABLE_LAYOUT: dict[str, dict[str, Any]] = {
         "impl": "variant",
         "baseline": "stock",
         "key": ("quantization", "launch", "processes", "generations", "prompt_len", "completion_len"),
+        "defaults": {"quantization": "none", "launch": "1gpu", "processes": 1},  # rows from before these fields
         "metrics": (("peak_gib", "peak GiB", "{:.2f}"), ("step_s", "step s", "{:.2f}"), ("sync_s", "sync s", "{:.3f}")),
     },
     "loss": {
@@ -191,7 +192,7 @@ def render_table(results_dir: Path) -> str:
         if commit not in commits.setdefault(group_key, []):
             commits[group_key].append(commit)
         for row in run["rows"]:
-            key = tuple(row.get(field) for field in layout["key"])
+            key = tuple(row.get(field, layout.get("defaults", {}).get(field)) for field in layout["key"])
             group.setdefault(key, {})[row[layout["impl"]]] = row
     parts = []
     for (benchmark, shape, gpu), group in sorted(groups.items()):

@@ -128,7 +128,8 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
             # quantization config tells vLLM which layers are 4-bit
             quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
             kwargs["quantization"] = "bitsandbytes"
-            kwargs["hf_overrides"] = {"quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}
+            kwargs["hf_overrides"] = {
+                "quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}
         else:
             kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
     if standby:

@@ -1,6 +1,6 @@
 """The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24; range in `versions.VLLM_ENGINE`).
 
-Three mechanisms, each on vLLM's own objects rather than re-implemented:
+The mechanisms, each on vLLM's own objects rather than re-implemented:
 - Weights. The model module comes from the worker (`worker.get_model()`, which unwraps CUDA-graph wrappers); HF
   weights go in through the model's own `load_weights` (it stacks q/k/v and gate/up and pads the vocabulary).
 - Adapters from memory. The worker's LoRA manager loads an adapter when a request names an id it does not hold.
@@ -224,9 +224,8 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     equal first). With `parked` weights (on the host for now) the views must sit on their home device. A model still
     on the host (DeepSpeed and FSDP move it to `training_device` only when training starts) gets views on
     `training_device`; the move then leaves them in place. Returns the bytes now held once instead of twice."""
-    from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
-
     from ..vllm.quantized import four_bit_weights
+    from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
 
     base = _base(peft_model)
     vllm_model = driver_model(llm)
@@ -291,8 +290,8 @@ def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
 
 def _check_4bit_state(view: Any, weight: torch.Tensor, vllm_param: torch.Tensor) -> None:
     """vLLM's state for the shard `view` names dequantizes to the values of the HF weight's own state."""
-    from ..vllm.weight_views import LayoutMismatch
     from ..vllm.quantized import same_quantization
+    from ..vllm.weight_views import LayoutMismatch
 
     states, offsets = getattr(vllm_param, "bnb_quant_state", None), getattr(vllm_param, "bnb_shard_offsets", None)
     if states is None or offsets is None:

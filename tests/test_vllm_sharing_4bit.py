@@ -77,8 +77,33 @@ def test_quantization_configs_that_cannot_share_are_named():
     assert "uint8" in quantized.sharing_problems({**nf4, "bnb_4bit_quant_storage": "bfloat16"})[0]
     assert "host" in quantized.sharing_problems({**nf4, "llm_int8_enable_fp32_cpu_offload": True})[0]
     assert "'gptq'" in quantized.sharing_problems({"quant_method": "gptq"})[0]
-    vllm_config = quantized.vllm_quantization_config(quantized.quantization_config_dict(nf4))
+    assert "llm_int8_skip_modules" in quantized.sharing_problems({**nf4, "llm_int8_skip_modules": ["down_proj"]})[0]
+    assert quantized.sharing_problems({**nf4, "llm_int8_skip_modules": ["lm_head"]}) == []
+    vllm_config = quantized.vllm_quantization_config({**nf4, "llm_int8_skip_modules": ["lm_head"]})
     assert vllm_config["quant_method"] == "bitsandbytes" and vllm_config["llm_int8_skip_modules"] == []
+    assert quantized.compute_dtype_warning({**nf4, "bnb_4bit_compute_dtype": "bfloat16"}) is None
+    assert "bfloat16" in quantized.compute_dtype_warning(nf4)  # bitsandbytes' default compute dtype is float32
+
+
+@needs_bnb
+def test_layers_vllm_would_quantize_differently_are_named(tmp_path):
+    standard = _quantized_peft_model(tmp_path / "standard", load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    assert quantized.layout_problems(standard) == []
+    # a skip list replaces transformers' default (the LM head) and matches by suffix: down_proj stays 16-bit, the
+    # head becomes 4-bit, where vLLM would quantize every down_proj and never the head
+    custom = _quantized_peft_model(tmp_path / "custom", load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   llm_int8_skip_modules=["down_proj"])
+    problems = " ".join(quantized.layout_problems(custom))
+    assert "LM head is 4-bit" in problems and "down_proj" in problems
+
+
+@needs_bnb
+def test_vllm_statistics_are_counted_only_where_vllm_makes_its_own(tmp_path):
+    double = _quantized_peft_model(tmp_path / "double", load_in_4bit=True, bnb_4bit_use_double_quant=True)
+    single = _quantized_peft_model(tmp_path / "single", load_in_4bit=True, bnb_4bit_use_double_quant=False)
+    blocks = sum(w.numel() * 2 // 64 for w in quantized.four_bit_weights(double).values())  # 2 values a byte
+    assert quantized.statistics_bytes(double) == 4 * blocks
+    assert quantized.statistics_bytes(single) == 0
 
 
 @needs_bnb
@@ -111,5 +136,28 @@ def test_quantized_trainer_inputs_are_checked_before_loading():
     llama.config.quantization_config = {"load_in_8bit": True}
     with pytest.raises(ValueError, match="8-bit"):
         check_trainer_inputs(config(), llama, LoraConfig(r=8))
-    llama.config.quantization_config = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    llama.config.quantization_config = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                        "bnb_4bit_compute_dtype": "bfloat16"}
     check_trainer_inputs(config(), llama, LoraConfig(r=8))  # a 4-bit model is shared
+    llama.config.quantization_config = {"load_in_4bit": True}
+    with pytest.warns(RuntimeWarning, match="always compute in bfloat16"):
+        check_trainer_inputs(config(), llama, LoraConfig(r=8))
+
+
+def test_every_route_to_a_quantized_model_is_checked(tmp_path):
+    from peft import LoraConfig
+
+    from trl_turbo.patches.trl_vllm import check_trainer_inputs
+
+    plain = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
+    checkpoint = tmp_path / "prequantized"
+    model = tiny_model("llama", vocab_size=len(VOCAB))
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    model.config.save_pretrained(checkpoint)
+    with pytest.raises(ValueError, match="8-bit"):  # a checkpoint saved quantized
+        check_trainer_inputs(plain, str(checkpoint), LoraConfig(r=8))
+    unquantized = tmp_path / "plain"
+    tiny_model("llama", vocab_size=len(VOCAB)).config.save_pretrained(unquantized)
+    check_trainer_inputs(plain, str(unquantized), LoraConfig(r=8))
+    with pytest.raises(ValueError, match="8-bit"):  # GRPOTrainer's own `quantization_config` argument
+        check_trainer_inputs(plain, str(unquantized), LoraConfig(r=8), {"load_in_8bit": True})

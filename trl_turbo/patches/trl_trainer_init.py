@@ -33,7 +33,7 @@ def _wrap_init(original):
         config = bound.get("args")
         from .trl_vllm import check_trainer_inputs  # trl_vllm reads `constructing_config` from this module
 
-        check_trainer_inputs(config, bound.get("model"), bound.get("peft_config"))
+        check_trainer_inputs(config, bound.get("model"), bound.get("peft_config"), bound.get("quantization_config"))
         token = _constructing.set(config)
         try:
             original(self, *args, **kwargs)

@@ -22,6 +22,7 @@ import contextlib
 import functools
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ from ..vllm.kv_budget import (
     useful_kv_cache_bytes,
 )
 from ..vllm.quantized import (
+    compute_dtype_warning,
     four_bit_weights,
+    layout_problems,
     quantization_config_dict,
     sharing_problems,
     statistics_bytes,
@@ -62,7 +65,7 @@ def vllm_dtype(generation: Any) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ trainer inputs
-def check_trainer_inputs(config: Any, model: Any, peft_config: Any) -> None:
+def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization_config: Any = None) -> None:
     """Refuse, before the model loads, a shared-weights run that cannot share: no LoRA adapter, an adapter vLLM
     cannot take, or a model type outside the supported families."""
     if config is None or not _setting(config, "turbo_vllm_shared_weights"):
@@ -78,35 +81,51 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any) -> None:
     if problems:
         raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
                          f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
-    quantization = _quantization(model, config)
-    problems = sharing_problems(quantization) if quantization is not None else []
-    if problems:
-        raise ValueError(f"`turbo_vllm_shared_weights=True` cannot share this quantized model's weights with vLLM: "
-                         f"{'; '.join(problems)}. Change the quantization config or set "
-                         "`turbo_vllm_shared_weights=False`.")
+    quantization = _quantization(model, config, quantization_config)
+    if quantization is not None:
+        _refuse_quantization_problems(sharing_problems(quantization))
+        warning = compute_dtype_warning(quantization)
+        if warning:
+            warnings.warn(warning, RuntimeWarning, stacklevel=4)
     model_type = _model_type(model, config)
     if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
         raise ValueError(f"`turbo_vllm_shared_weights=True` supports model types {', '.join(SHARED_WEIGHT_MODEL_TYPES)}"
                          f"; this model is {model_type!r}. Set `turbo_vllm_shared_weights=False` for it.")
 
 
-def _quantization(model: Any, config: Any) -> dict[str, Any] | None:
-    """The policy's quantization config as a dict (None: not quantized); known before loading from
-    `model_init_kwargs`."""
-    if isinstance(model, str):
-        return quantization_config_dict((config.model_init_kwargs or {}).get("quantization_config"))
-    return quantization_config_dict(getattr(getattr(model, "config", None), "quantization_config", None))
+def _refuse_quantization_problems(problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"`turbo_vllm_shared_weights=True` cannot share this quantized model's weights with vLLM: "
+                         f"{'; '.join(problems)}. Change the quantization config or set "
+                         "`turbo_vllm_shared_weights=False`.")
+
+
+def _quantization(model: Any, config: Any, quantization_config: Any = None) -> dict[str, Any] | None:
+    """The policy's quantization config as a dict (None: not quantized), known before loading: GRPOTrainer's
+    `quantization_config` argument, else `model_init_kwargs`'s, else the checkpoint's own (pre-quantized)."""
+    if not isinstance(model, str):
+        return quantization_config_dict(getattr(getattr(model, "config", None), "quantization_config", None))
+    chosen = quantization_config or (config.model_init_kwargs or {}).get("quantization_config")
+    if chosen is not None:
+        return quantization_config_dict(chosen)
+    return quantization_config_dict(getattr(_hf_config(model, config), "quantization_config", None))
 
 
 def _model_type(model: Any, config: Any) -> str | None:
-    if isinstance(model, str):
-        from transformers import AutoConfig
-
-        kwargs = config.model_init_kwargs or {}
-        hf_config = AutoConfig.from_pretrained(model, trust_remote_code=kwargs.get("trust_remote_code", False))
-    else:
-        hf_config = getattr(model, "config", None)
+    hf_config = _hf_config(model, config) if isinstance(model, str) else getattr(model, "config", None)
     return getattr(hf_config, "model_type", None)
+
+
+@functools.lru_cache(maxsize=8)
+def _checkpoint_config(model: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def _hf_config(model: str, config: Any) -> Any:
+    kwargs = config.model_init_kwargs or {}
+    return _checkpoint_config(model, bool(kwargs.get("trust_remote_code", False)))
 
 
 # ------------------------------------------------------------------------------------------------- engine
@@ -123,10 +142,12 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
     if shared:
         peft_model = generation.model
         kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
+        quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
+        if quantization is not None:  # the loaded model decides (its checks ran on what was known before loading)
+            _refuse_quantization_problems(sharing_problems(quantization) + layout_problems(peft_model))
         if four_bit_weights(peft_model):
             # vLLM's bitsandbytes loader takes the training model's 4-bit weights (`feeding_4bit_weights`); the HF
-            # quantization config tells vLLM which layers are 4-bit
-            quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
+            # quantization config tells vLLM how they are quantized
             kwargs["quantization"] = "bitsandbytes"
             kwargs["hf_overrides"] = {
                 "quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}

@@ -276,11 +276,13 @@ def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
     from ..vllm.quantized import weights_for_vllm
 
     base = _base(peft_model)
+    original = BitsAndBytesModelLoader.__dict__["_get_quantized_weights_iterator"]
 
     def training_weights(loader: Any, model_name_or_path: str, revision: Any) -> tuple[Any, dict[str, Any]]:
-        return weights_for_vllm(base, _hf_state_for_vllm(base))
+        tensors, states = weights_for_vllm(base, _hf_state_for_vllm(base))
+        # vLLM's own iterators key states by the mapped name, and the tensors by the checkpoint name
+        return tensors, {loader.weight_mapper(name): state for name, state in states.items()}
 
-    original = BitsAndBytesModelLoader.__dict__["_get_quantized_weights_iterator"]
     BitsAndBytesModelLoader._get_quantized_weights_iterator = training_weights
     try:
         yield

@@ -55,14 +55,50 @@ def sharing_problems(config: Mapping[str, Any]) -> list[str]:
         problems.append(f"`bnb_4bit_quant_storage={storage!r}`: vLLM stores 4-bit weights as uint8 only")
     if config.get("llm_int8_enable_fp32_cpu_offload"):
         problems.append("`llm_int8_enable_fp32_cpu_offload=True` keeps layers on the host, where vLLM cannot see them")
+    skipped = set(config.get("llm_int8_skip_modules") or []) - {"lm_head"}
+    if skipped:
+        problems.append(f"`llm_int8_skip_modules={sorted(skipped)}`: transformers and vLLM match these names "
+                        "differently (vLLM fuses q/k/v and gate/up), so they would quantize different layers; "
+                        "leave it unset (the LM head stays 16-bit either way)")
+    return problems
+
+
+def compute_dtype_warning(config: Mapping[str, Any]) -> str | None:
+    """vLLM's bitsandbytes layers compute in bf16 whatever the config says; a warning when training computes in
+    another dtype (the sampler's log-probs then differ more from the trainer's)."""
+    dtype = str(config.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
+    if dtype == "bfloat16":
+        return None
+    return (f"trl_turbo: the 4-bit layers compute in {dtype} in training (`bnb_4bit_compute_dtype`), but vLLM's "
+            "bitsandbytes layers always compute in bfloat16, so sampling and training log-probs differ by more than "
+            "rounding. Set `bnb_4bit_compute_dtype=torch.bfloat16` to make them agree.")
+
+
+def layout_problems(model: torch.nn.Module) -> list[str]:
+    """Why the layers of a loaded 4-bit model do not line up with vLLM's bitsandbytes layers (empty when they do):
+    vLLM quantizes every decoder projection and never the LM head."""
+    packed = four_bit_weights(model)
+    if not packed:
+        return []
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    problems = []
+    if head_weight is not None and is_packed_4bit(head_weight):
+        problems.append("the LM head is 4-bit, but vLLM keeps LM heads in 16-bit (add 'lm_head' to "
+                        "`llm_int8_skip_modules`)")
+    unquantized = [hf_weight_name(f"{name}.weight") for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and "lora_" not in name and module is not head
+                   and not is_packed_4bit(module.weight) and not module.weight.requires_grad]
+    if unquantized:
+        problems.append(f"{len(unquantized)} projections are not 4-bit ({', '.join(unquantized[:3])}, …) among 4-bit "
+                        "ones, and vLLM quantizes every projection")
     return problems
 
 
 def vllm_quantization_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The `quantization_config` vLLM's `BitsAndBytesConfig.from_config` reads: the HF one, with the modules HF left
-    unquantized named explicitly."""
-    return {**config, "quant_method": "bitsandbytes", "llm_int8_skip_modules": list(config.get("llm_int8_skip_modules")
-                                                                                    or [])}
+    """The `quantization_config` vLLM's `BitsAndBytesConfig.from_config` reads: the HF one, without module names to
+    skip (`sharing_problems` allows only the LM head there, which vLLM never quantizes)."""
+    return {**config, "quant_method": "bitsandbytes", "llm_int8_skip_modules": []}
 
 
 def is_packed_4bit(weight: torch.Tensor) -> bool:
@@ -121,5 +157,7 @@ def same_quantization(ours: Any, theirs: Any) -> bool:
 
 
 def statistics_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the fp32 per-block scales vLLM keeps for the 4-bit weights (it undoes double quantization)."""
-    return sum(weight.quant_state.absmax.numel() * 4 for weight in four_bit_weights(model).values())
+    """Bytes of the fp32 per-block scales vLLM computes for double-quantized 4-bit weights (it undoes double
+    quantization; single-quantized weights' scales are shared as they are)."""
+    return sum(weight.quant_state.absmax.numel() * 4 for weight in four_bit_weights(model).values()
+               if getattr(weight.quant_state, "nested", False))

@@ -23,7 +23,6 @@ SHARED_WEIGHT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gem
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-
 @dataclass
 class TurboFields:
     """The fields added to GRPOConfig (also the source of README's field table)."""
@@ -254,11 +253,11 @@ def _check_memory_features_strategy(args: Any) -> None:
     """Offloaded checkpointing and the tiled MLP need whole parameters per rank; elsewhere the run keeps
     transformers' checkpointing and the plain MLP (the same on every rank: the strategy is read from the config and
     the launcher's environment), and says so."""
-    from .distributed import unsupported_features
+    from .distributed import CHECKPOINTING_FEATURES, unsupported_features
 
     if not args.gradient_checkpointing:
         return
-    wanted = [name for name in ("turbo_offload_checkpoints", "turbo_tiled_mlp") if getattr(args, name)]
+    wanted = [name for name in CHECKPOINTING_FEATURES if getattr(args, name)]
     unsupported = unsupported_features(args, wanted)
     if unsupported:
         names = " and ".join(f"`{name}`" for name in unsupported)
@@ -275,30 +274,33 @@ def _check_memory_features_strategy(args: Any) -> None:
 def liger_layers_enabled(args: Any) -> bool:
     """`turbo_liger_layers` resolved: as set when True/False; None: on for a one-process CUDA run with liger-kernel
     installed."""
-    import importlib.util
-
-    import torch
-
     from .distributed import Strategy, detect_strategy
 
     setting = getattr(args, "turbo_liger_layers", None)
     if setting is not None:
         return bool(setting)
-    return (importlib.util.find_spec("liger_kernel") is not None and torch.cuda.is_available()
-            and not getattr(args, "use_cpu", False) and detect_strategy(args) is Strategy.SINGLE)
+    return _liger_unavailable(args) is None and detect_strategy(args) is Strategy.SINGLE
 
 
-def _validate_liger(args: Any) -> None:
+def _liger_unavailable(args: Any) -> str | None:
+    """Why Liger's layers cannot run in this run (None: they can)."""
     import importlib.util
 
     import torch
 
     if importlib.util.find_spec("liger_kernel") is None:
-        raise ValueError("`turbo_liger_layers=True` needs Liger-Kernel: `pip install 'trl-turbo[liger]'`, or set "
-                         "`turbo_liger_layers=False`.")
-    if args.use_cpu or not torch.cuda.is_available():
-        raise ValueError("`turbo_liger_layers=True` runs Liger's Triton kernels, which need a CUDA GPU; set "
-                         "`turbo_liger_layers=False` on this machine.")
+        return ("`turbo_liger_layers=True` needs Liger-Kernel: `pip install 'trl-turbo[liger]'`, or set "
+                "`turbo_liger_layers=False`.")
+    if getattr(args, "use_cpu", False) or not torch.cuda.is_available():
+        return ("`turbo_liger_layers=True` runs Liger's Triton kernels, which need a CUDA GPU; set "
+                "`turbo_liger_layers=False` on this machine.")
+    return None
+
+
+def _validate_liger(args: Any) -> None:
+    reason = _liger_unavailable(args)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _validate_vllm(args: Any) -> None:

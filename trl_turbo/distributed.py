@@ -34,6 +34,9 @@ class Strategy(str, enum.Enum):
 WHOLE_PARAMETER_STRATEGIES = frozenset({Strategy.SINGLE, Strategy.DDP, Strategy.ZERO1, Strategy.ZERO2})
 ALL_STRATEGIES = frozenset(Strategy)
 
+# The features that replace transformers' gradient checkpointing (on or off together for a strategy).
+CHECKPOINTING_FEATURES = ("turbo_offload_checkpoints", "turbo_tiled_mlp")
+
 # Feature → the strategies it works under, and why not under the others (shown in errors and warnings).
 FEATURE_STRATEGIES: dict[str, tuple[frozenset[Strategy], str]] = {
     "turbo_offload_checkpoints": (

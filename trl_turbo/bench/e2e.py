@@ -33,6 +33,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ..testing.multi_gpu import fresh_rendezvous_env
 from .results import DEFAULT_RESULTS_DIR, GIB
 from .shapes import QUANTIZATIONS, SHAPES, build_config
 
@@ -367,7 +368,7 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         spec_path.write_text(json.dumps({**spec, "row_dir": scratch}))
         try:
             process = subprocess.run([*launch_command(spec["launch"], processes), str(spec_path)],
-                                     timeout=timeout_s, check=False, env=_fresh_env())
+                                     timeout=timeout_s, check=False, env=fresh_rendezvous_env())
             failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
         except subprocess.TimeoutExpired:
             failure = f"timed out after {timeout_s:.0f} s"
@@ -381,12 +382,6 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     if failure:  # e.g. a crash at interpreter exit after the measurement was written, or a timeout mid-run
         row["error"] = failure if row.get("ok") else f"{failure}: {row.get('error')}"
     return row
-
-
-def _fresh_env() -> dict[str, str]:
-    from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
-
-    return fresh_rendezvous_env()
 
 
 def run(args: argparse.Namespace) -> Path:

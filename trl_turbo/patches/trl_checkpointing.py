@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import liger_layers_enabled
-from ..distributed import local_process_count
+from ..distributed import CHECKPOINTING_FEATURES, local_process_count, unsupported_features
 from ..offload import CheckpointOffloader
 from .transformers_checkpointing import (
     CheckpointingRuntime,
@@ -43,9 +43,7 @@ def available_host_bytes() -> int:
 def strategy_keeps_stock_checkpointing(args: Any) -> bool:
     """Under ZeRO-3 and FSDP, parameters are whole only inside their module's call, where trl_turbo's checkpoint
     function and tiled MLP cannot reach them; those runs keep transformers' checkpointing (config.validate warns)."""
-    from ..distributed import unsupported_features
-
-    return bool(unsupported_features(args, ["turbo_offload_checkpoints", "turbo_tiled_mlp"]))
+    return bool(unsupported_features(args, list(CHECKPOINTING_FEATURES)))
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from trl_turbo.bench.shapes import QUANTIZATIONS as BENCH_QUANTIZATIONS
 from trl_turbo.testing.tokenizer import EOS_ID, VOCAB, build_tokenizer
+from trl_turbo.vllm.quantized import is_packed_4bit
 
 
 @torch.no_grad()
@@ -96,8 +98,7 @@ def randomize_adapter(model: torch.nn.Module, std: float = 0.02) -> None:
 
 # bitsandbytes 4-bit configs the checks run with (`python -m trl_turbo.testing.vllm_checks <arch> <dir> nf4`)
 QUANTIZATIONS: dict[str, dict[str, Any]] = {
-    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-            "bnb_4bit_compute_dtype": "bfloat16"},
+    "nf4": BENCH_QUANTIZATIONS["nf4"],
     "fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_compute_dtype": "bfloat16"},
 }
 
@@ -150,7 +151,7 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     trainer.train()
     result["gaps_after"] = logprob_gaps(trainer)
     result["copies_after"] = weight_copies(trainer)
-    result["four_bit_matrices"] = sum(w.dtype == torch.uint8 for w in _frozen(trainer).values())
+    result["four_bit_matrices"] = sum(is_packed_4bit(w) for w in _frozen(trainer).values())
     result["weight_sync_s"] = [log["vllm/weight_sync_s"] for log in trainer.state.log_history
                                if "vllm/weight_sync_s" in log]
     return result

@@ -6,9 +6,10 @@ hold exactly the bytes the HF `Linear4bit` layers hold, whatever the quantizatio
 or not, any block size), and the HF weights can then become views of them. The states handed over are new
 `QuantState` objects over the same tensors: vLLM's loader replaces the double-quantized statistics of the states it
 gets with dequantized fp32 ones (the same numbers, precomputed for speed), which must not change the training
-model's own states. The engine is described to vLLM by the HF quantization config itself (`hf_overrides`), so both
-sides agree on which layers are quantized. 8-bit layers and non-uint8 storage are refused: vLLM cannot hold them
-in a layout the HF layers could view.
+model's own states. The engine is described to vLLM by the HF quantization config itself (`hf_overrides`), and
+both sides are checked to quantize the same layers (`sharing_problems` before loading, `layout_problems` on the
+loaded model). 8-bit layers and non-uint8 storage are refused: vLLM cannot hold them in a layout the HF layers could
+view.
 """
 
 from __future__ import annotations

@@ -18,13 +18,18 @@ from trl_turbo.vllm import quantized
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 
 
-def _quantized_peft_model(tmp_path, **bnb_kwargs):
+def tiny_llama(dtype=torch.float32):
+    """The unquantized model `_quantized_peft_model` quantizes."""
+    return tiny_model("llama", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, dtype=dtype)
+
+
+def _quantized_peft_model(tmp_path, dtype=torch.float32, **bnb_kwargs):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    tiny_model("llama", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    tiny_llama().save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**bnb_kwargs),
-                                                 dtype=torch.float32, device_map="cpu")
+                                                 dtype=dtype, device_map="cpu")
     return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
 
 

@@ -130,14 +130,20 @@ def weights_for_vllm(model: torch.nn.Module, named_tensors: Iterable[tuple[str, 
     since they travel as states."""
     packed = four_bit_weights(model)
     states = {name: state_for_vllm(weight.quant_state) for name, weight in packed.items()}
-    prefixes = tuple(f"{name}." for name in packed)
+    return without_statistics(named_tensors, packed), states
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in named_tensors:
-            if not name.startswith(prefixes):
-                yield name, tensor
 
-    return tensors(), states
+def without_statistics(named_tensors: Iterable[tuple[str, torch.Tensor]], weight_names: Iterable[str]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named_tensors` (a state under HF names) without the quantization statistics bitsandbytes adds next to each
+    of the quantized weights `weight_names` (`<weight>.absmax`, `.quant_map`, `.nested_*`, `.quant_state.*` for
+    4-bit, `<layer>.SCB` and `<layer>.weight_format` for 8-bit): every name under the layer but its weight and bias."""
+    layers = [name.removesuffix(".weight") for name in weight_names]
+    prefixes = tuple(f"{layer}." for layer in layers)
+    kept = {f"{layer}.{leaf}" for layer in layers for leaf in ("weight", "bias")}
+    for name, tensor in named_tensors:
+        if name in kept or not name.startswith(prefixes):
+            yield name, tensor
 
 
 def dequantized_absmax(quant_state: Any) -> torch.Tensor:

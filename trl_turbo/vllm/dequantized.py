@@ -3,13 +3,15 @@
 Design decision: the copy is made from the training model's own weights, never from the checkpoint, so vLLM samples
 from the weights training uses: every bitsandbytes layer (4-bit of any storage dtype, or 8-bit) is dequantized with
 bitsandbytes' own functions, and everything else goes through unchanged. The state is streamed: one dequantized matrix
-exists at a time, next to the copy vLLM is filling. Only bitsandbytes layers can be dequantized here.
+exists at a time, next to the copy vLLM is filling. Only bitsandbytes layers can be dequantized here; any other
+quantization method is named by `unsupported_quantization`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -17,6 +19,16 @@ from .quantized import without_statistics
 from .weight_views import hf_weight_name
 
 VLLM_COPY_DTYPE_BYTES = 2  # vLLM holds the copy in 16 bits
+
+
+def unsupported_quantization(config: Mapping[str, Any]) -> str | None:
+    """Why vLLM can get no 16-bit copy of a model quantized with `config` (a dict as `quantization_config_dict` gives
+    it), or None when it can."""
+    method = config.get("quant_method", "bitsandbytes")
+    if method == "bitsandbytes":
+        return None
+    return (f"the model is quantized with {method!r}, and trl_turbo can share or dequantize only bitsandbytes layers; "
+            "load it with bitsandbytes (`BitsAndBytesConfig(load_in_4bit=True)`) or in 16 bits")
 
 
 def _is_int8(weight: torch.Tensor) -> bool:

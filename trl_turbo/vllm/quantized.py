@@ -8,8 +8,8 @@ or not, any block size), and the HF weights can then become views of them. The s
 gets with dequantized fp32 ones (the same numbers, precomputed for speed), which must not change the training
 model's own states. The engine is described to vLLM by the HF quantization config itself (`hf_overrides`), and
 both sides are checked to quantize the same layers (`sharing_problems` before loading, `layout_problems` on the
-loaded model). 8-bit layers and non-uint8 storage are refused: vLLM cannot hold them in a layout the HF layers could
-view.
+loaded model). 8-bit layers and non-uint8 storage cannot be shared: vLLM cannot hold them in a layout the HF layers
+could view, so vLLM gets a separate 16-bit copy of those models instead (`dequantized`, `sharing`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,9 @@ def quantization_config_dict(quantization_config: Any) -> dict[str, Any] | None:
 
 
 def sharing_problems(config: Mapping[str, Any]) -> list[str]:
-    """Why 4-bit weights of a model quantized with `config` (a dict as `quantization_config_dict` gives it) cannot
-    be shared with vLLM (empty when they can)."""
+    """Why the weights of a model quantized with `config` (a bitsandbytes config, as a dict as
+    `quantization_config_dict` gives it) cannot be shared with vLLM (empty when they can)."""
     problems = []
-    if config.get("quant_method", "bitsandbytes") != "bitsandbytes":
-        problems.append(f"the model is quantized with {config['quant_method']!r}; only bitsandbytes 4-bit is shared")
-        return problems
     if config.get("load_in_8bit"):
         problems.append("8-bit bitsandbytes layers (`load_in_8bit=True`) cannot be shared; use `load_in_4bit=True`")
     elif not config.get("load_in_4bit"):

@@ -1,6 +1,6 @@
 """CPU side of the separate copy vLLM holds where the base weights cannot be shared: the mode each engine is built in,
-the dequantized state it is fed (on real bitsandbytes CPU layers), its engine arguments and KV budget, and TRL's
-bitsandbytes probe switched off only for the call. The engine side (vLLM's loader,
+the dequantized state it is fed (on real bitsandbytes CPU layers), its engine arguments and KV budget, the copy into a
+stand-in vLLM model, and TRL's bitsandbytes probe switched off only for the call. The engine side (vLLM's loader,
 sampling through the adapter) is GPU-only: tests/test_vllm_families.py."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from test_vllm_sharing import StandInVllmModel
 from test_vllm_sharing_4bit import _quantized_peft_model, needs_bnb, tiny_llama
 
 from trl_turbo.patches import trl_vllm, vllm_engine
@@ -207,6 +208,27 @@ def test_metrics_report_the_separate_copy():
     state.copy_bytes = 3 * 2**29
     metrics = trl_vllm.drain_metrics(types.SimpleNamespace(_trl_turbo_engine=state))
     assert metrics == {"vllm/separate_copy_gib": 1.5}
+
+
+@needs_bnb
+@pytest.mark.parametrize("quantization", ["int8", "nf4-double"])
+def test_copy_loads_the_dequantized_weights_and_leaves_the_training_ones(tmp_path, monkeypatch, quantization):
+    from trl_turbo.testing.vllm_checks import copy_mismatches
+
+    model = _quantized_peft_model(tmp_path, dtype=torch.bfloat16, **COPIED[quantization][0])
+    stand_in = StandInVllmModel(tiny_llama(torch.bfloat16))  # vLLM's 16-bit layout of the same model
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+    monkeypatch.setattr(vllm_engine, "engine_dtype", lambda llm: torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert len(copy_mismatches(object(), model)) == 2 * 7 + 2  # dummy weights: every matrix differs
+
+    copied = vllm_engine.copy_base_weights(object(), model)
+
+    assert copied == dequantized.copy_bytes(model)
+    assert copy_mismatches(object(), model) == []  # each matrix's dequantized values are its rows of vLLM's
+    storages = {p.untyped_storage().data_ptr() for _, p in stand_in.named_parameters()}
+    for name, param in model.named_parameters():  # the training model keeps its own weights, unchanged
+        assert param.untyped_storage().data_ptr() not in storages and torch.equal(param, before[name]), name
 
 
 # ------------------------------------------------------------------------------------ TRL's bitsandbytes probe

@@ -283,8 +283,9 @@ def test_engine_switches_name_the_vllm_they_need(monkeypatch):
         _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_standby=True)
 
 
-def test_trainer_inputs_that_cannot_share_are_refused_before_loading():
+def test_trainer_inputs_that_cannot_share_are_refused_or_copied_before_loading(tmp_path):
     from peft import LoraConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from trl_turbo.patches.trl_vllm import check_trainer_inputs
 
@@ -295,10 +296,13 @@ def test_trainer_inputs_that_cannot_share_are_refused_before_loading():
         check_trainer_inputs(config, llama, None)
     with pytest.raises(ValueError, match="DoRA"):
         check_trainer_inputs(config, llama, LoraConfig(r=8, use_dora=True))
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    # model types whose vLLM layout is not mapped: a separate copy in vLLM, with a warning
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2,
                                                                  vocab_size=len(VOCAB)))
-    with pytest.raises(ValueError, match="'gpt2'"):
+    with pytest.warns(RuntimeWarning, match="'gpt2'.*separate 16-bit copy.*2 bytes per base parameter"):
         check_trainer_inputs(config, gpt2, LoraConfig(r=8))
+    AutoConfig.for_model("phi3", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         vocab_size=len(VOCAB)).save_pretrained(tmp_path)
+    with pytest.warns(RuntimeWarning, match="'phi3'.*separate 16-bit copy"):  # a checkpoint path, read before loading
+        check_trainer_inputs(config, str(tmp_path), LoraConfig(r=8))
     check_trainer_inputs(types.SimpleNamespace(turbo_vllm_shared_weights=False), gpt2, None)  # switch off: no check

@@ -1,12 +1,14 @@
 """The HF side of sharing 4-bit (bitsandbytes) weights with vLLM, on CPU (bitsandbytes' CPU backend quantizes):
 what vLLM's bitsandbytes loader is fed, that the training model's quantization states survive what vLLM does to
-its copies, and which quantization configs are refused before anything loads. The engine side (vLLM's loader,
-views of its packed shards, sampling through the adapter) is GPU-only: tests/test_vllm_families.py."""
+its copies, and which quantization configs cannot share (a warning: vLLM gets a separate copy) or are refused before
+anything loads. The engine side (vLLM's loader, views of its packed shards, sampling through the adapter) is
+GPU-only: tests/test_vllm_families.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import types
+import warnings
 
 import pytest
 import torch
@@ -18,13 +20,18 @@ from trl_turbo.vllm import quantized
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 
 
-def _quantized_peft_model(tmp_path, **bnb_kwargs):
+def tiny_llama(dtype=torch.float32):
+    """The unquantized model `_quantized_peft_model` quantizes."""
+    return tiny_model("llama", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, dtype=dtype)
+
+
+def _quantized_peft_model(tmp_path, dtype=torch.float32, **bnb_kwargs):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    tiny_model("llama", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    tiny_llama().save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**bnb_kwargs),
-                                                 dtype=torch.float32, device_map="cpu")
+                                                 dtype=dtype, device_map="cpu")
     return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
 
 
@@ -70,13 +77,16 @@ def test_vllm_undoing_double_quantization_leaves_training_states_alone(tmp_path)
 
 
 def test_quantization_configs_that_cannot_share_are_named():
+    from trl_turbo.vllm.dequantized import unsupported_quantization
+
     nf4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
     assert quantized.sharing_problems(nf4) == []
     assert quantized.sharing_problems({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}) == []
     assert "8-bit" in quantized.sharing_problems({"load_in_8bit": True})[0]
     assert "uint8" in quantized.sharing_problems({**nf4, "bnb_4bit_quant_storage": "bfloat16"})[0]
     assert "host" in quantized.sharing_problems({**nf4, "llm_int8_enable_fp32_cpu_offload": True})[0]
-    assert "'gptq'" in quantized.sharing_problems({"quant_method": "gptq"})[0]
+    assert "'gptq'" in unsupported_quantization({"quant_method": "gptq"})  # neither shared nor copied
+    assert unsupported_quantization({"load_in_8bit": True}) is None
     assert "llm_int8_skip_modules" in quantized.sharing_problems({**nf4, "llm_int8_skip_modules": ["down_proj"]})[0]
     assert quantized.sharing_problems({**nf4, "llm_int8_skip_modules": ["lm_head"]}) == []
     vllm_config = quantized.vllm_quantization_config({**nf4, "llm_int8_skip_modules": ["lm_head"]})
@@ -118,7 +128,16 @@ def test_hf_bitsandbytes_config_becomes_a_plain_dict():
     assert config["quant_method"] == "bitsandbytes" and config["bnb_4bit_compute_dtype"] == "bfloat16"
 
 
-def test_quantized_trainer_inputs_are_checked_before_loading():
+def _one_warning(call) -> str:
+    """The message of the one warning `call()` emits."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    return str(caught[0].message)
+
+
+def test_quantized_trainer_inputs_are_checked_before_loading(tmp_path):
     from peft import LoraConfig
 
     from trl_turbo.patches.trl_vllm import check_trainer_inputs
@@ -127,18 +146,31 @@ def test_quantized_trainer_inputs_are_checked_before_loading():
         return types.SimpleNamespace(turbo_vllm_shared_weights=True,
                                      model_init_kwargs={"quantization_config": quantization})
 
+    checkpoint = str(tmp_path)
+    tiny_model("llama", vocab_size=len(VOCAB)).config.save_pretrained(checkpoint)
+    nf4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}
+    # vLLM cannot share these: one warning names the reason, the separate copy and its cost, and how to get one copy
+    # (no 4-bit compute-dtype warning: nothing is shared 4-bit)
+    message = _one_warning(lambda: check_trainer_inputs(config(load_in_8bit=True), checkpoint, LoraConfig(r=8)))
+    assert message.startswith("trl_turbo:") and "8-bit" in message
+    assert "separate 16-bit copy" in message and "dequantized" in message and "2 bytes per base parameter" in message
+    assert "as tensors" in message and "load_in_4bit=True" in message
+    for fallback, reason in (({"bnb_4bit_quant_storage": "bfloat16"}, "bnb_4bit_quant_storage='bfloat16'"),
+                             ({"llm_int8_enable_fp32_cpu_offload": True}, "llm_int8_enable_fp32_cpu_offload"),
+                             ({"llm_int8_skip_modules": ["down_proj"]}, r"llm_int8_skip_modules=\['down_proj'\]")):
+        with pytest.warns(RuntimeWarning, match=f"{reason}.*separate 16-bit copy"):
+            check_trainer_inputs(config(**nf4, **fallback), checkpoint, LoraConfig(r=8))
     llama = tiny_model("llama", vocab_size=len(VOCAB))
-    with pytest.raises(ValueError, match="8-bit.*turbo_vllm_shared_weights=False"):
-        check_trainer_inputs(config(load_in_8bit=True), "some/checkpoint", LoraConfig(r=8))
-    with pytest.raises(ValueError, match="bnb_4bit_quant_storage"):
-        check_trainer_inputs(config(load_in_4bit=True, bnb_4bit_quant_storage="bfloat16"), "some/checkpoint",
-                             LoraConfig(r=8))
     llama.config.quantization_config = {"load_in_8bit": True}
-    with pytest.raises(ValueError, match="8-bit"):
+    with pytest.warns(RuntimeWarning, match="8-bit.*separate 16-bit copy"):
         check_trainer_inputs(config(), llama, LoraConfig(r=8))
-    llama.config.quantization_config = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-                                        "bnb_4bit_compute_dtype": "bfloat16"}
-    check_trainer_inputs(config(), llama, LoraConfig(r=8))  # a 4-bit model is shared
+    llama.config.quantization_config = {"quant_method": "gptq", "bits": 4}  # nothing can dequantize it
+    with pytest.raises(ValueError, match="'gptq'.*BitsAndBytesConfig.*turbo_vllm_shared_weights=False"):
+        check_trainer_inputs(config(), llama, LoraConfig(r=8))
+    llama.config.quantization_config = nf4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_trainer_inputs(config(), llama, LoraConfig(r=8))  # a 4-bit model is shared
     llama.config.quantization_config = {"load_in_4bit": True}
     with pytest.warns(RuntimeWarning, match="always compute in bfloat16"):
         check_trainer_inputs(config(), llama, LoraConfig(r=8))
@@ -154,10 +186,12 @@ def test_every_route_to_a_quantized_model_is_checked(tmp_path):
     model = tiny_model("llama", vocab_size=len(VOCAB))
     model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     model.config.save_pretrained(checkpoint)
-    with pytest.raises(ValueError, match="8-bit"):  # a checkpoint saved quantized
+    with pytest.warns(RuntimeWarning, match="8-bit"):  # a checkpoint saved quantized
         check_trainer_inputs(plain, str(checkpoint), LoraConfig(r=8))
     unquantized = tmp_path / "plain"
     tiny_model("llama", vocab_size=len(VOCAB)).config.save_pretrained(unquantized)
-    check_trainer_inputs(plain, str(unquantized), LoraConfig(r=8))
-    with pytest.raises(ValueError, match="8-bit"):  # GRPOTrainer's own `quantization_config` argument
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_trainer_inputs(plain, str(unquantized), LoraConfig(r=8))
+    with pytest.warns(RuntimeWarning, match="8-bit"):  # GRPOTrainer's own `quantization_config` argument
         check_trainer_inputs(plain, str(unquantized), LoraConfig(r=8), {"load_in_8bit": True})

@@ -18,7 +18,8 @@ from typing import Any
 
 from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, validate_loss_options
 
-# Model types whose vLLM implementation stores each HF weight as rows of one tensor (checked again at run time).
+# Model types whose vLLM implementation stores each HF weight as rows of one tensor (checked again at run time);
+# vLLM holds a separate copy of other models' weights (`trl_turbo.vllm.sharing`).
 SHARED_WEIGHT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -156,9 +157,13 @@ class TurboFields:
             "weights and receives the HF weights once), and each generation uses the live adapter through vLLM's "
             "LoRA layers, handed over as tensors (no merge, no full-weight push, no files). bitsandbytes 4-bit "
             "models share their packed 4-bit weights (vLLM's bitsandbytes loader gets the training model's bytes "
-            "and quantization states); 8-bit models are refused. Supported model "
-            "types: " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + "; one process, DDP or DeepSpeed ZeRO-1/2 (every rank "
-            "shares with its own engine), vllm_tensor_parallel_size=1."
+            "and quantization states). Shared for model types " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + " in 16 "
+            "bits or bitsandbytes 4-bit with uint8 storage. Any other model (another type, 8-bit, other 4-bit "
+            "storage, fp32 CPU offload, llm_int8_skip_modules beyond lm_head) falls back, with a warning at config "
+            "time, to a separate 16-bit copy in vLLM, loaded once from the training model's own weights (dequantized "
+            "where quantized): about 2 bytes per base parameter of extra device memory, the adapter still as "
+            "tensors. Quantization other than bitsandbytes is refused. One process, DDP or DeepSpeed ZeRO-1/2 "
+            "(every rank with its own engine), vllm_tensor_parallel_size=1."
         },
     )
     turbo_vllm_standby: bool = field(

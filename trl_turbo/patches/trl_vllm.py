@@ -8,7 +8,11 @@ Seams, all methods of `VLLMGeneration`:
   (standby), the KV dtype. With shared weights the HF model's frozen matrices wait on the host during the call;
   after it they are copied into vLLM once and become views of vLLM's, and the KV cache is released. A 4-bit
   (bitsandbytes) model goes in while the engine is built instead: vLLM is told the HF quantization config and its
-  bitsandbytes loader is fed the training model's packed bytes and quantization states.
+  bitsandbytes loader is fed the training model's packed bytes and quantization states. A model that cannot share
+  (`trl_turbo.vllm.sharing`) gets a 16-bit engine instead, into which the training model's weights are copied
+  (dequantized) once; the training model keeps its own. Where trl_turbo chooses vLLM's quantization (shared 4-bit,
+  separate copy), TRL's bitsandbytes probe is switched off for the call: it would choose too, and refuses 8-bit
+  models.
 - `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
   also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors.
 - `generate`: the KV cache is mapped back before and released after TRL's generation, and TRL's `llm.generate`
@@ -27,8 +31,9 @@ from typing import Any
 
 import torch
 
-from ..config import SHARED_WEIGHT_MODEL_TYPES, TurboFields
+from ..config import TurboFields
 from ..vllm.adapter import adapter_config_dict, adapter_problems, adapter_tensors, lora_engine_kwargs
+from ..vllm.dequantized import copy_bytes
 from ..vllm.kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
@@ -39,12 +44,11 @@ from ..vllm.kv_budget import (
 from ..vllm.quantized import (
     compute_dtype_warning,
     four_bit_weights,
-    layout_problems,
     quantization_config_dict,
-    sharing_problems,
     statistics_bytes,
     vllm_quantization_config,
 )
+from ..vllm.sharing import COPY, SHARED, Sharing, copy_reasons, fallback_warning, sharing_mode
 from . import registry
 from .trl_trainer_init import constructing_config
 
@@ -66,8 +70,8 @@ def vllm_dtype(generation: Any) -> str | None:
 
 # ------------------------------------------------------------------------------------------ trainer inputs
 def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization_config: Any = None) -> None:
-    """Refuse, before the model loads, a shared-weights run that cannot share: no LoRA adapter, an adapter vLLM
-    cannot take, or a model type outside the supported families."""
+    """Before the model loads: refuse a shared-weights run no engine can serve (no LoRA adapter, an adapter vLLM
+    cannot take, quantization other than bitsandbytes), and warn when vLLM will hold a separate copy."""
     if config is None or not _setting(config, "turbo_vllm_shared_weights"):
         return
     adapter = peft_config
@@ -82,22 +86,13 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
         raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
                          f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
     quantization = _quantization(model, config, quantization_config)
-    if quantization is not None:
-        _refuse_quantization_problems(sharing_problems(quantization))
+    reasons = copy_reasons(quantization, _model_type(model, config))
+    if reasons:
+        warnings.warn(fallback_warning(reasons, quantization is not None), RuntimeWarning, stacklevel=4)
+    elif quantization is not None:  # shared 4-bit weights: vLLM's 4-bit layers compute in bf16
         warning = compute_dtype_warning(quantization)
         if warning:
             warnings.warn(warning, RuntimeWarning, stacklevel=4)
-    model_type = _model_type(model, config)
-    if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
-        raise ValueError(f"`turbo_vllm_shared_weights=True` supports model types {', '.join(SHARED_WEIGHT_MODEL_TYPES)}"
-                         f"; this model is {model_type!r}. Set `turbo_vllm_shared_weights=False` for it.")
-
-
-def _refuse_quantization_problems(problems: list[str]) -> None:
-    if problems:
-        raise ValueError(f"`turbo_vllm_shared_weights=True` cannot share this quantized model's weights with vLLM: "
-                         f"{'; '.join(problems)}. Change the quantization config or set "
-                         "`turbo_vllm_shared_weights=False`.")
 
 
 def _quantization(model: Any, config: Any, quantization_config: Any = None) -> dict[str, Any] | None:
@@ -129,7 +124,17 @@ def _hf_config(model: str, config: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- engine
-def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
+def _sharing(generation: Any, config: Any) -> Sharing | None:
+    """How this engine holds the base weights (None: TRL's way, without shared weights), decided once per engine."""
+    if generation.mode != "colocate" or config is None or not _setting(config, "turbo_vllm_shared_weights"):
+        return None
+    sharing = sharing_mode(generation.model)
+    if sharing.unforeseen:  # only a loaded quantized model can show them
+        warnings.warn(fallback_warning(sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=3)
+    return sharing
+
+
+def _engine_kwargs(generation: Any, config: Any, sharing: Sharing | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     dtype = vllm_dtype(generation)
     if dtype is not None:
@@ -138,14 +143,11 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
         return kwargs
     if _setting(config, "turbo_vllm_kv_cache_dtype") != "auto":
         kwargs["kv_cache_dtype"] = config.turbo_vllm_kv_cache_dtype
-    shared, standby = _setting(config, "turbo_vllm_shared_weights"), _setting(config, "turbo_vllm_standby")
-    if shared:
+    if sharing is not None:
         peft_model = generation.model
         kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
         quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
-        if quantization is not None:  # the loaded model decides (its checks ran on what was known before loading)
-            _refuse_quantization_problems(sharing_problems(quantization) + layout_problems(peft_model))
-        if four_bit_weights(peft_model):
+        if sharing.mode == SHARED and four_bit_weights(peft_model):
             # vLLM's bitsandbytes loader takes the training model's 4-bit weights (`feeding_4bit_weights`); the HF
             # quantization config tells vLLM how they are quantized
             kwargs["quantization"] = "bitsandbytes"
@@ -153,11 +155,23 @@ def _engine_kwargs(generation: Any, config: Any) -> dict[str, Any]:
                 "quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}
         else:
             kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
-    if standby:
+        if sharing.mode == COPY:
+            kwargs["dtype"] = dtype or _sixteen_bit(peft_model.dtype)
+            kwargs["quantization"] = None  # TRL passes "bitsandbytes" for a 4-bit model
+            if quantization is not None:
+                # vLLM reads a quantized checkpoint's own quantization config when `quantization` is None
+                kwargs["hf_overrides"] = {"quantization_config": None}
+    if _setting(config, "turbo_vllm_standby"):
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
         if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
-            kwargs["kv_cache_memory_bytes"] = _kv_budget(generation, shared, _setting(config, "turbo_vllm_kv_cache_dtype"))
+            kwargs["kv_cache_memory_bytes"] = _kv_budget(generation, sharing,
+                                                         _setting(config, "turbo_vllm_kv_cache_dtype"))
     return kwargs
+
+
+def _sixteen_bit(dtype: torch.dtype) -> str:
+    """The engine dtype of a separate copy: the training model's, unless that is not 16-bit."""
+    return "float16" if dtype == torch.float16 else "bfloat16"
 
 
 def _trl_default(config: Any, name: str) -> Any:
@@ -165,11 +179,9 @@ def _trl_default(config: Any, name: str) -> Any:
     return type(config).__dataclass_fields__[name].default
 
 
-def _kv_budget(generation: Any, shared: bool, kv_cache_dtype: str) -> int:
+def _kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str) -> int:
     model = generation.model
     free, total = torch.cuda.mem_get_info(generation.accelerator.device)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    weights += statistics_bytes(model)  # vLLM's fp32 block scales of 4-bit weights (its own copy)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -185,10 +197,23 @@ def _kv_budget(generation: Any, shared: bool, kv_cache_dtype: str) -> int:
         per_token_bytes=per_token,
     )
     return auto_kv_cache_bytes(
-        free_bytes=free, total_bytes=total, vllm_weight_bytes=weights if shared else 0, trainable_params=trainable,
+        free_bytes=free, total_bytes=total, vllm_weight_bytes=_vllm_weight_bytes(model, sharing),
+        trainable_params=trainable,
         sampling_workspace_bytes=sampling_workspace_bytes(4096, text.vocab_size, text.hidden_size),
         useful_bytes=useful,
     )
+
+
+def _vllm_weight_bytes(model: Any, sharing: Sharing | None) -> int:
+    """The device memory vLLM's weights will take beyond what is in use when the KV budget is computed."""
+    if sharing is None:
+        return 0
+    if sharing.mode == COPY:  # next to the training model's weights, which stay
+        return copy_bytes(model)
+    # in place of the training model's frozen weights (parked on the host meanwhile), plus vLLM's own fp32 block
+    # scales of double-quantized 4-bit weights
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    return frozen + statistics_bytes(model)
 
 
 class _EngineState:
@@ -199,6 +224,7 @@ class _EngineState:
         self.standby: Any = None
         self.lora_request: Any = None
         self.shared_bytes = 0
+        self.copy_bytes = 0
         self.metrics: dict[str, float] = {}
 
 
@@ -206,14 +232,14 @@ def _wrap_init_vllm(original):
     @functools.wraps(original)
     def _init_vllm(self):
         config = constructing_config()
-        shared = self.mode == "colocate" and config is not None and _setting(config, "turbo_vllm_shared_weights")
+        sharing = _sharing(self, config)
         parked = None
-        if shared:
+        if sharing is not None and sharing.mode == SHARED:
             from . import vllm_engine
 
             parked = vllm_engine.ParkedWeights(self.model)  # one copy on the device even while vLLM starts
         try:
-            kwargs = _engine_kwargs(self, config)
+            kwargs = _engine_kwargs(self, config, sharing)
             module = sys.modules[original.__module__]
             llm_cls = getattr(module, "LLM", None)
             if not kwargs or llm_cls is None:
@@ -222,19 +248,15 @@ def _wrap_init_vllm(original):
             def llm_with_turbo_arguments(*args, **llm_kwargs):
                 return llm_cls(*args, **{**llm_kwargs, **kwargs})
 
-            module.LLM = llm_with_turbo_arguments
             feeding = contextlib.nullcontext()
-            if shared and kwargs.get("quantization") == "bitsandbytes":
+            if sharing is not None and kwargs.get("quantization") == "bitsandbytes":
                 from . import vllm_engine
 
                 feeding = vllm_engine.feeding_4bit_weights(self.model)
-            try:
-                with feeding:
-                    result = original(self)
-            finally:
-                module.LLM = llm_cls
-            if shared or _setting(config, "turbo_vllm_standby"):
-                _start_engine_features(self, config, parked)
+            with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
+                result = original(self)
+            if sharing is not None or _setting(config, "turbo_vllm_standby"):
+                _start_engine_features(self, config, parked, sharing)
             return result
         finally:
             if parked is not None:
@@ -243,13 +265,39 @@ def _wrap_init_vllm(original):
     return _init_vllm
 
 
-def _start_engine_features(generation: Any, config: Any, parked: Any) -> None:
+def _trl_attributes(llm: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes of TRL's module that `_init_vllm` reads, as trl_turbo replaces them for the call: the engine
+    class (with trl_turbo's arguments) and, when trl_turbo chooses vLLM's quantization, TRL's bitsandbytes probe
+    (it picks a quantization for 4-bit layers and refuses 8-bit ones)."""
+    attributes = {"LLM": llm}
+    if "quantization" in kwargs:
+        attributes["is_bitsandbytes_available"] = lambda: False
+    return attributes
+
+
+@contextlib.contextmanager
+def _module_attributes(module: Any, attributes: dict[str, Any]):
+    """Replace `module`'s attributes for the block; the originals come back however it ends."""
+    originals = {name: getattr(module, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(module, name, value)
+
+
+def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: Sharing | None) -> None:
     from . import vllm_engine
 
     state = _EngineState()
-    if config.turbo_vllm_shared_weights:
-        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked,
-                                                            generation.accelerator.device)
+    if sharing is not None:
+        if sharing.mode == SHARED:
+            state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked,
+                                                                generation.accelerator.device)
+        else:
+            state.copy_bytes = vllm_engine.copy_base_weights(generation.llm, generation.model)
         state.adapters = vllm_engine.TensorAdapters(generation.llm)
     if config.turbo_vllm_standby:
         state.standby = vllm_engine.KVStandby(generation.llm)
@@ -317,6 +365,8 @@ def drain_metrics(generation: Any) -> dict[str, float]:
     metrics, state.metrics = state.metrics, {}
     if state.shared_bytes:
         metrics["vllm/shared_weights_gib"] = state.shared_bytes / _GIB
+    if state.copy_bytes:
+        metrics["vllm/separate_copy_gib"] = state.copy_bytes / _GIB
     return metrics
 
 

@@ -9,6 +9,8 @@ The mechanisms, each on vLLM's own objects rather than re-implemented:
   Each push gets a new id and name, so vLLM's adapter cache and prefix cache never serve a stale adapter.
 - One copy, also while starting: the training model's frozen matrices wait in host memory while vLLM allocates its
   weights (`ParkedWeights`), are copied in, and come back as views of vLLM's tensors.
+- A separate copy, where weights cannot be shared: the training model's weights, dequantized to the engine's dtype
+  one matrix at a time, go through the same `load_weights` into a 16-bit engine (`copy_base_weights`).
 - 4-bit (bitsandbytes) models. vLLM's bitsandbytes loader is the only way its 4-bit layers get their quantization
   states, and it runs while the engine is built (its profiling run needs them). For that call only, the loader's
   `_get_quantized_weights_iterator` yields the training model's packed bytes and states instead of quantizing a
@@ -192,6 +194,21 @@ def _hf_state_for_vllm(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tens
         if "lora_" in name or "original_module" in name or "modules_to_save" in name:
             continue
         yield hf_weight_name(name), tensor.detach()
+
+
+def engine_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine's model computes and holds its 16-bit weights in."""
+    return driver_worker(llm).model_runner.model_config.dtype
+
+
+def copy_base_weights(llm: Any, peft_model: Any) -> int:
+    """Load the training model's base weights into vLLM's own (bitsandbytes layers dequantized to the engine's dtype);
+    the training model keeps its weights. Returns the bytes of vLLM's copy."""
+    from ..vllm.dequantized import copy_bytes, dequantized_state
+
+    base = _base(peft_model)
+    load_weights(llm, dequantized_state(base, _hf_state_for_vllm(base), engine_dtype(llm)))
+    return copy_bytes(base)
 
 
 def _base(model: Any) -> torch.nn.Module:

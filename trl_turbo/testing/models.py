@@ -20,6 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from trl_turbo.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer
 
 ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")
+# Families outside trl_turbo's shared-weight layouts, built only for the checks of vLLM's separate copy.
+SEPARATE_COPY_ARCHITECTURES: tuple[str, ...] = ("phi3",)
 HEAD_DIM = 8
 
 
@@ -34,8 +36,9 @@ def tiny_model(
     **overrides: Any,
 ) -> PreTrainedModel:
     """Build a randomly initialised ``arch`` causal LM; ``overrides`` are passed to the config last and win."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; expected one of {ARCHITECTURES}")
+    known = ARCHITECTURES + SEPARATE_COPY_ARCHITECTURES
+    if arch not in known:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {known}")
     if hidden_size % (2 * HEAD_DIM):
         raise ValueError(f"hidden_size must be a multiple of {2 * HEAD_DIM}, got {hidden_size}")
     heads = hidden_size // HEAD_DIM

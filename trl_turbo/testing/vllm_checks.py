@@ -1,4 +1,5 @@
-"""Checks of the shared-weight vLLM engine inside a real GRPOTrainer (GPU + vLLM), shared by the GPU tests.
+"""Checks of the shared-weight vLLM engine inside a real GRPOTrainer (GPU + vLLM), shared by the GPU tests; for a
+model vLLM cannot share with (8-bit, non-uint8 4-bit storage, another family), the checks of its separate copy.
 
 Design decision: one vLLM engine lives per process, so each model family is checked by running this module as a
 child process (``python -m trl_turbo.testing.vllm_checks <arch> <dir>``, or under ``accelerate launch``, one
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,36 @@ def _frozen(trainer: Any) -> dict[str, torch.Tensor]:
     from trl_turbo.patches.vllm_engine import _frozen_matrix_weights
 
     return _frozen_matrix_weights(trainer.model.get_base_model())
+
+
+def copy_mismatches(llm: Any, model: torch.nn.Module) -> list[str]:
+    """The frozen HF matrices whose dequantized values are not their rows of vLLM's weights (a separate copy), or
+    that vLLM lacks."""
+    from trl_turbo.patches.vllm_engine import (
+        _base,
+        _frozen_matrix_weights,
+        _hf_state_for_vllm,
+        driver_model,
+        engine_dtype,
+    )
+    from trl_turbo.vllm.dequantized import dequantized_state
+    from trl_turbo.vllm.weight_views import plan_shared_views, view_of, vllm_weight_name
+
+    base = _base(model)
+    frozen = _frozen_matrix_weights(base)
+    expected = {name: tensor for name, tensor in dequantized_state(base, _hf_state_for_vllm(base), engine_dtype(llm))
+                if name in frozen}
+    vllm_model = driver_model(llm)
+    params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
+    views = plan_shared_views({name: tuple(t.shape) for name, t in expected.items()},
+                              {name: tuple(p.shape) for name, p in params.items()},
+                              getattr(vllm_model, "packed_modules_mapping", {}))
+    differing = []
+    for view in views:
+        rows = view_of(params[view.vllm_name], view)
+        if not torch.equal(rows, expected[view.hf_name].to(rows.device)):
+            differing.append(view.hf_name)
+    return sorted(frozen.keys() - expected.keys()) + differing
 
 
 def weight_copies(trainer: Any) -> dict[str, Any]:
@@ -96,10 +128,13 @@ def randomize_adapter(model: torch.nn.Module, std: float = 0.02) -> None:
                 param.normal_(0, std, generator=torch.Generator(param.device).manual_seed(0))
 
 
-# bitsandbytes 4-bit configs the checks run with (`python -m trl_turbo.testing.vllm_checks <arch> <dir> nf4`)
+# bitsandbytes configs the checks run with (`python -m trl_turbo.testing.vllm_checks <arch> <dir> nf4`); vLLM holds a
+# separate copy of the last two
 QUANTIZATIONS: dict[str, dict[str, Any]] = {
     "nf4": BENCH_QUANTIZATIONS["nf4"],
     "fp4": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_compute_dtype": "bfloat16"},
+    "int8": {"load_in_8bit": True},
+    "nf4-bf16storage": {**BENCH_QUANTIZATIONS["nf4"], "bnb_4bit_quant_storage": "bfloat16"},
 }
 
 
@@ -135,25 +170,35 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quanti
 
 
 def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None = None) -> dict[str, Any]:
-    """One copy of the base weights, samples from the live adapter before and after training steps."""
+    """One copy of the base weights (or, where vLLM cannot share them, a separate copy holding the training
+    model's dequantized values), samples from the live adapter before and after training steps."""
     import functools
 
     import trl.generation.vllm_generation as vllm_generation
 
     # Eager vLLM: compiling and capturing graphs would take most of each family's time and is not what is checked
     vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
-    trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization)
     # DeepSpeed places the model on the device only when training starts; the checks before it need it there now
     trainer.model.to(trainer.accelerator.device)
     randomize_adapter(trainer.model)
-    result: dict[str, Any] = {"arch": arch, "quantization": quantization, "copies_before": weight_copies(trainer)}
+    llm = trainer.vllm_generation.llm
+    separate = trainer.vllm_generation._trl_turbo_engine.copy_bytes > 0
+    result: dict[str, Any] = {"arch": arch, "quantization": quantization, "separate_copy": separate,
+                              "fallback_warnings": sum("separate 16-bit copy" in str(w.message) for w in caught),
+                              "copies_before": weight_copies(trainer)}
+    result["copy_mismatches_before"] = copy_mismatches(llm, trainer.model) if separate else None
     result["gaps_before"] = logprob_gaps(trainer)
     trainer.train()
     result["gaps_after"] = logprob_gaps(trainer)
     result["copies_after"] = weight_copies(trainer)
+    result["copy_mismatches_after"] = copy_mismatches(llm, trainer.model) if separate else None
     result["four_bit_matrices"] = sum(is_packed_4bit(w) for w in _frozen(trainer).values())
-    result["weight_sync_s"] = [log["vllm/weight_sync_s"] for log in trainer.state.log_history
-                               if "vllm/weight_sync_s" in log]
+    logs = trainer.state.log_history
+    result["weight_sync_s"] = [log["vllm/weight_sync_s"] for log in logs if "vllm/weight_sync_s" in log]
+    result["separate_copy_gib"] = [log["vllm/separate_copy_gib"] for log in logs if "vllm/separate_copy_gib" in log]
     return result
 
 

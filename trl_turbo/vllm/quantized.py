@@ -8,8 +8,8 @@ or not, any block size), and the HF weights can then become views of them. The s
 gets with dequantized fp32 ones (the same numbers, precomputed for speed), which must not change the training
 model's own states. The engine is described to vLLM by the HF quantization config itself (`hf_overrides`), and
 both sides are checked to quantize the same layers (`sharing_problems` before loading, `layout_problems` on the
-loaded model). 8-bit layers and non-uint8 storage are refused: vLLM cannot hold them in a layout the HF layers could
-view.
+loaded model). 8-bit layers and non-uint8 storage cannot be shared: vLLM cannot hold them in a layout the HF layers
+could view, so vLLM gets a separate 16-bit copy of those models instead (`dequantized`, `sharing`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,9 @@ def quantization_config_dict(quantization_config: Any) -> dict[str, Any] | None:
 
 
 def sharing_problems(config: Mapping[str, Any]) -> list[str]:
-    """Why 4-bit weights of a model quantized with `config` (a dict as `quantization_config_dict` gives it) cannot
-    be shared with vLLM (empty when they can)."""
+    """Why the weights of a model quantized with `config` (a bitsandbytes config, as a dict as
+    `quantization_config_dict` gives it) cannot be shared with vLLM (empty when they can)."""
     problems = []
-    if config.get("quant_method", "bitsandbytes") != "bitsandbytes":
-        problems.append(f"the model is quantized with {config['quant_method']!r}; only bitsandbytes 4-bit is shared")
-        return problems
     if config.get("load_in_8bit"):
         problems.append("8-bit bitsandbytes layers (`load_in_8bit=True`) cannot be shared; use `load_in_4bit=True`")
     elif not config.get("load_in_4bit"):
@@ -130,14 +127,20 @@ def weights_for_vllm(model: torch.nn.Module, named_tensors: Iterable[tuple[str, 
     since they travel as states."""
     packed = four_bit_weights(model)
     states = {name: state_for_vllm(weight.quant_state) for name, weight in packed.items()}
-    prefixes = tuple(f"{name}." for name in packed)
+    return without_statistics(named_tensors, packed), states
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in named_tensors:
-            if not name.startswith(prefixes):
-                yield name, tensor
 
-    return tensors(), states
+def without_statistics(named_tensors: Iterable[tuple[str, torch.Tensor]], weight_names: Iterable[str]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named_tensors` (a state under HF names) without the quantization statistics bitsandbytes adds next to each
+    of the quantized weights `weight_names` (`<weight>.absmax`, `.quant_map`, `.nested_*`, `.quant_state.*` for
+    4-bit, `<layer>.SCB` and `<layer>.weight_format` for 8-bit): every name under the layer but its weight and bias."""
+    layers = [name.removesuffix(".weight") for name in weight_names]
+    prefixes = tuple(f"{layer}." for layer in layers)
+    kept = {f"{layer}.{leaf}" for layer in layers for leaf in ("weight", "bias")}
+    for name, tensor in named_tensors:
+        if name in kept or not name.startswith(prefixes):
+            yield name, tensor
 
 
 def dequantized_absmax(quant_state: Any) -> torch.Tensor:

@@ -206,12 +206,11 @@ def _kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str) ->
 
 def _vllm_weight_bytes(model: Any, sharing: Sharing | None) -> int:
     """The device memory vLLM's weights will take beyond what is in use when the KV budget is computed."""
-    if sharing is None:
-        return 0
-    if sharing.mode == COPY:  # next to the training model's weights, which stay
+    if sharing is not None and sharing.mode == COPY:  # next to the training model's weights, which stay
         return copy_bytes(model)
-    # in place of the training model's frozen weights (parked on the host meanwhile), plus vLLM's own fp32 block
-    # scales of double-quantized 4-bit weights
+    # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's
+    # engine loads its own copy of the same storage (a 4-bit model is quantized by vLLM too) next to them. Both add
+    # vLLM's own fp32 block scales of double-quantized 4-bit weights.
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     return frozen + statistics_bytes(model)
 

@@ -208,6 +208,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
+    from ..config import liger_layers_enabled
     from . import set_patched
 
     variant = spec["variant"]
@@ -251,6 +252,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["init_s"] = time.perf_counter() - start
             row["init_used_gib"] = sampler.used() / GIB
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
+            row["liger_layers"] = variant != "stock" and liger_layers_enabled(trainer.args)  # resolved from auto
             row.update(weight_accounting(trainer))
             row.update(cumem_pools())
 
@@ -269,6 +271,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # recorded, so the other variant still runs and the file is written
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"
+            row["traceback"] = traceback.format_exc()[-4000:]  # the file keeps where it failed
         row["timeline"] = sampler.timeline
     history = trainer.state.log_history if trainer is not None else []
     logs = [{key: log[key] for key in _LOGGED if key in log} for log in history if "loss" in log]

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from .quantized import without_statistics
-from .weight_views import hf_weight_name
+from .quantized import quantized_layers, without_statistics
 
 VLLM_COPY_DTYPE_BYTES = 2  # vLLM holds the copy in 16 bits
 
@@ -29,22 +28,6 @@ def unsupported_quantization(config: Mapping[str, Any]) -> str | None:
         return None
     return (f"the model is quantized with {method!r}, and trl_turbo can share or dequantize only bitsandbytes layers; "
             "load it with bitsandbytes (`BitsAndBytesConfig(load_in_4bit=True)`) or in 16 bits")
-
-
-def _is_int8(weight: torch.Tensor) -> bool:
-    # bitsandbytes' Int8Params with quantized data (has_fp16_weights=True keeps 16-bit data, used as it is)
-    return weight.dtype == torch.int8 and hasattr(weight, "SCB")
-
-
-def _is_quantized(module: torch.nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return weight is not None and (getattr(weight, "quant_state", None) is not None or _is_int8(weight))
-
-
-def quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The bitsandbytes-quantized layers of an HF model (PEFT-wrapped or not), by the plain HF name of their weight."""
-    return {hf_weight_name(f"{name}.weight"): module for name, module in model.named_modules()
-            if "lora_" not in name and _is_quantized(module)}
 
 
 def dequantized_weight(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

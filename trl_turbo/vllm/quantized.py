@@ -104,10 +104,26 @@ def is_packed_4bit(weight: torch.Tensor) -> bool:
     return getattr(weight, "quant_state", None) is not None and weight.dtype == torch.uint8
 
 
+def _is_int8(weight: torch.Tensor) -> bool:
+    # bitsandbytes' Int8Params with quantized data (has_fp16_weights=True keeps 16-bit data, used as it is)
+    return weight.dtype == torch.int8 and hasattr(weight, "SCB")
+
+
+def _is_quantized(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return weight is not None and (getattr(weight, "quant_state", None) is not None or _is_int8(weight))
+
+
+def quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The bitsandbytes-quantized layers of an HF model (PEFT-wrapped or not; 4-bit of any storage or 8-bit), by the
+    plain HF name of their weight."""
+    return {hf_weight_name(f"{name}.weight"): module for name, module in model.named_modules()
+            if "lora_" not in name and _is_quantized(module)}
+
+
 def four_bit_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The packed 4-bit weights of an HF model (PEFT-wrapped or not), by plain HF name."""
-    return {hf_weight_name(f"{name}.weight"): module.weight for name, module in model.named_modules()
-            if "lora_" not in name and is_packed_4bit(getattr(module, "weight", None))}
+    return {name: layer.weight for name, layer in quantized_layers(model).items() if is_packed_4bit(layer.weight)}
 
 
 def state_for_vllm(quant_state: Any) -> Any:

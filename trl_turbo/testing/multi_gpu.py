@@ -145,7 +145,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variant", choices=("stock", "turbo"), default="turbo")
     args = parser.parse_args()
-    run(args.out, args.steps, args.variant)
+    try:
+        run(args.out, args.steps, args.variant)
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group while the interpreter is alive: left to interpreter shutdown, gloo's worker
+    threads can still hold tensors whose release needs the GIL, and the process aborts (SIGABRT, "terminate called
+    without an active exception") after a finished run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -44,9 +44,6 @@ def test_unpatch_restores_every_original_object(restore_patch_state):
     assert stock["kernel"] is ChunkedLogProbFunction
     for key in stock:
         assert stock[key] is not patched[key], f"{key} was not restored"
-        assert getattr(stock[key], "__module__", "trl").startswith(("trl", "types", "builtins")) or isinstance(
-            stock[key], dict
-        )
     assert not any(name.startswith("turbo_") for name in GRPOConfig.__dataclass_fields__)
     assert not hasattr(GRPOConfig, "turbo_fused_loss")
     with pytest.raises(TypeError, match="turbo_fused_loss"):
@@ -55,6 +52,76 @@ def test_unpatch_restores_every_original_object(restore_patch_state):
     repatched = _snapshot()
     assert repatched["kernel"] is patched["kernel"]
     assert "turbo_fused_loss" in GRPOConfig.__dataclass_fields__
+
+
+# Run in a fresh interpreter: every attribute of every loaded trl/transformers/peft/accelerate module and of the
+# classes they define is recorded before `import trl_turbo`, so "restored" is checked against the objects that were
+# there before any patch, not against trl_turbo's own record of them.
+ROUND_TRIP_SCRIPT = """
+import json, sys
+import accelerate, peft, transformers, trl, trl.trainer.grpo_trainer, trl.trainer.utils
+import trl.generation.vllm_generation
+
+HOSTS = ("trl", "transformers", "peft", "accelerate")
+
+
+def owners():
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] not in HOSTS:
+            continue
+        yield name, module
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, type) and getattr(value, "__module__", None) == name:
+                yield name + "." + attr, value
+
+
+before = {key: (owner, dict(vars(owner))) for key, owner in owners()}
+
+
+def changes():
+    replaced, removed, added = [], [], []
+    for key, (owner, old) in before.items():
+        new = vars(owner)
+        replaced += [key + "." + a for a, v in old.items() if a in new and new[a] is not v]
+        removed += [key + "." + a for a in old if a not in new]
+        added += [key + "." + a for a in new.keys() - old.keys()]
+    return {"replaced": sorted(replaced), "removed": sorted(removed), "added": sorted(added)}
+
+
+import trl_turbo
+
+result = {"patched": changes()}
+trl_turbo.unpatch()
+result["unpatched"] = changes()
+trl_turbo.patch()
+result["repatched"] = changes()
+trl_turbo.unpatch()
+result["unpatched_again"] = changes()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_unpatch_restores_every_attribute_it_changed(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "round_trip.py"
+    script.write_text(ROUND_TRIP_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    changes = json.loads(line[len("RESULT "):])
+    patched = changes["patched"]
+    # The probe sees the patches: methods of GRPOTrainer and GRPOConfig's dataclass machinery replaced, fields added
+    assert "trl.trainer.grpo_trainer.GRPOTrainer._compute_loss" in patched["replaced"]
+    assert "trl.trainer.grpo_config.GRPOConfig.__dataclass_fields__" in patched["replaced"]
+    assert "trl.trainer.grpo_config.GRPOConfig.turbo_fused_loss" in patched["added"]
+    assert not patched["removed"]
+    nothing = {"replaced": [], "removed": [], "added": []}
+    assert changes["unpatched"] == nothing
+    assert changes["repatched"] == patched
+    assert changes["unpatched_again"] == nothing
 
 
 def test_patch_is_idempotent():

@@ -230,6 +230,7 @@ def test_e2e_child_failure_becomes_a_row(tmp_path):
             "quantization": "none", "launch": e2e.SINGLE_GPU, "processes": 1}
     row = e2e._run_child(spec, timeout_s=300)
     assert row["variant"] == "stock" and row["ok"] is False and row["error"]
+    assert "timed out" not in row["error"], row["error"]  # failed fast, for its own reason
 
 
 def test_e2e_ranks_merge_into_one_row_and_scaling_is_against_one_gpu():

@@ -104,8 +104,10 @@ def test_invalid_numbers_are_rejected(tmp_path):
         make(tmp_path, turbo_logprob_chunk_tokens=0)
     with pytest.raises(ValueError, match="turbo_tiled_mlp_tokens"):
         make(tmp_path, turbo_tiled_mlp_tokens=0)
-    with pytest.raises(ValueError, match="turbo_offload_host_budget_gib"):
-        make(tmp_path, turbo_offload_host_budget_gib=-1.0)
+    for budget in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="turbo_offload_host_budget_gib"):
+            make(tmp_path, turbo_offload_host_budget_gib=budget)
+    assert make(tmp_path, turbo_offload_host_budget_gib=0.0).turbo_offload_host_budget_gib == 0.0
 
 
 def test_subclasses_existing_at_import_accept_the_fields(tmp_path):
@@ -116,7 +118,7 @@ def test_subclasses_existing_at_import_accept_the_fields(tmp_path):
 
 
 def test_stock_trl_still_validates_its_own_fields(tmp_path):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="At least one of `vllm_importance_sampling_clip_min`"):  # TRL's message
         make(tmp_path, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None)
 
 

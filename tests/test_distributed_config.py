@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from trl_turbo import config as turbo_config
+from trl_turbo import losses
 from trl_turbo.distributed import FEATURE_STRATEGIES, Strategy, detect_strategy, local_process_count
 
 _LAUNCH_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
@@ -42,6 +43,7 @@ def _args(world_size: int = 1, **fields):
     defaults = {field.name: field.default for field in GRPOConfig.__dataclass_fields__.values()
                 if not callable(field.default)}
     defaults["gradient_checkpointing"] = False  # tests of the checkpointing features turn it on
+    defaults["steps_per_generation"] = defaults["gradient_accumulation_steps"]  # as GRPOConfig.__post_init__ sets it
     return types.SimpleNamespace(**{**defaults, "world_size": world_size, "deepspeed_plugin": None, "fsdp": None,
                                     "fsdp_config": None, "output_dir": "unused", **fields})
 
@@ -135,8 +137,11 @@ def test_features_every_strategy_supports_validate_everywhere(monkeypatch):
     for strategy in Strategy:
         with monkeypatch.context() as scoped:
             world_size = _launch(scoped, strategy)
-            for loss_type in ("grpo", "dapo", "dr_grpo", "cispo"):
+            for loss_type in losses.LOSS_TYPES:
                 turbo_config.validate(_args(world_size, loss_type=loss_type, turbo_fused_loss=True))
+            for mode in losses.IS_MODES:
+                turbo_config.validate(_args(world_size, use_vllm=True, vllm_mode="colocate", turbo_fused_loss=True,
+                                            vllm_importance_sampling_mode=mode))
 
 
 def test_local_process_count_divides_the_host(monkeypatch):

@@ -181,6 +181,7 @@ def test_geometric_is_mode_in_the_patched_loss(tmp_path, mode):
                                                     fused=False)
     turbo_loss, turbo_grads = parity.loss_and_grads(trainer, inputs, fused=True)
     torch.testing.assert_close(turbo_loss, stock_loss, rtol=2e-5, atol=1e-7)
+    assert stock_grads and stock_grads.keys() == turbo_grads.keys()
     for name, grad in stock_grads.items():
         torch.testing.assert_close(turbo_grads[name], grad, rtol=2e-5, atol=1e-7)
     metrics = trainer._metrics["train"]
@@ -252,6 +253,49 @@ def test_fused_kernel_matches_reference(name, dtype):
 
 
 # ----------------------------------------------------------------------------------------- vs TRL's GMPOTrainer
+@pytest.mark.parametrize("settings", [{"turbo_dual_clip": 3.0}, {"loss_type": "kl_cov"},
+                                      {"vllm_importance_sampling_mode": "sequence_geometric_mask"}], ids=str)
+def test_trainer_with_its_own_loss_refuses_turbo_loss_settings_before_loading(tmp_path, settings):
+    """GMPOTrainer overrides `_compute_loss`: trl_turbo's loss settings would be ignored. The model is a path that
+    does not exist, so the error must come before TRL tries to load it."""
+    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+    config = GMPOConfig(output_dir=str(tmp_path), **CPU, **settings)
+    with pytest.raises(ValueError, match="computes its own loss"):
+        GMPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    args=config)
+
+
+def test_user_trainer_overriding_the_loss_keeps_turbo_loss_settings(tmp_path):
+    """A user's `_compute_loss` override may call trl_turbo's loss through super(): its settings are not refused (the
+    constructor goes on to load the model, which does not exist here)."""
+    from trl import GRPOTrainer
+
+    class LoggingTrainer(GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs)
+
+    config = make(tmp_path, loss_type="kl_cov", turbo_kl_cov_coef=0.5)
+    with pytest.raises(OSError):
+        LoggingTrainer(model=str(tmp_path / "no-model"), args=config,
+                       reward_funcs=lambda completions, **_: [0.0] * len(completions))
+
+
+def test_config_subclass_with_unknown_loss_type_fails_before_loading(tmp_path):
+    import dataclasses
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    @dataclasses.dataclass
+    class MyConfig(GRPOConfig):
+        my_field: int = 0
+
+    config = MyConfig(output_dir=str(tmp_path), **CPU, loss_type="dapo_typo")  # a subclass: checked at the trainer
+    with pytest.raises(ValueError, match="Unknown `loss_type='dapo_typo'`"):
+        GRPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    args=config)
+
+
 @pytest.mark.parametrize("case", ["plain", "kl", "entropy_mask"])
 def test_gmpo_matches_trl_gmpo_trainer(tmp_path, case):
     """loss_type='gmpo' in the patched GRPOTrainer == TRL's experimental GMPOTrainer._compute_loss (loss, grads)."""
@@ -328,18 +372,42 @@ def test_new_fields_from_yaml_and_cli(tmp_path):
         "turbo_clip_cov_ratio: 0.001\nturbo_dual_clip: 3.0\nvllm_importance_sampling_mode: sequence_geometric_mask\n"
     )
     (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(
-        ["--config", str(yaml_path), "--turbo_clip_cov_ub", "4.0", "--turbo_kl_cov_coef", "0.5"]
+        ["--config", str(yaml_path), "--turbo_clip_cov_ub", "4.0", "--turbo_clip_cov_lb", "0.5"]
     )
     assert (config.loss_type, config.turbo_clip_cov_ratio, config.turbo_dual_clip) == ("clip_cov", 0.001, 3.0)
-    assert (config.turbo_clip_cov_ub, config.turbo_kl_cov_coef) == (4.0, 0.5)
+    assert (config.turbo_clip_cov_ub, config.turbo_clip_cov_lb) == (4.0, 0.5)
     assert config.vllm_importance_sampling_mode == "sequence_geometric_mask"
+    (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(
+        ["--config", str(yaml_path), "--loss_type", "kl_cov", "--turbo_dual_clip", "None", "--turbo_clip_cov_ratio",
+         "2e-4", "--turbo_kl_cov_coef", "0.5", "--turbo_kl_cov_ratio", "0.01"]
+    )
+    assert (config.loss_type, config.turbo_kl_cov_coef, config.turbo_kl_cov_ratio) == ("kl_cov", 0.5, 0.01)
 
 
 INVALID = {
     "dual_clip_without_ratio_clipping": (dict(loss_type="cispo", turbo_dual_clip=3.0), "no PPO-style ratio clipping"),
     "dual_clip_on_reinforce": (dict(loss_type="reinforce", turbo_dual_clip=3.0), "no PPO-style ratio clipping"),
     "dual_clip_on_gmpo": (dict(loss_type="gmpo", turbo_dual_clip=3.0), "no PPO-style ratio clipping"),
-    "dual_clip_not_above_one": (dict(turbo_dual_clip=1.0), "must be > 1"),
+    "dual_clip_not_above_one": (dict(turbo_dual_clip=1.0), "finite number > 1"),
+    "dual_clip_infinite": (dict(turbo_dual_clip=float("inf")), "finite number > 1"),
+    "dual_clip_without_fused_loss": (dict(turbo_dual_clip=3.0, turbo_fused_loss=False), "turbo_fused_loss=True"),
+    "clip_cov_setting_without_fused_loss": (dict(turbo_clip_cov_ub=4.0, turbo_fused_loss=False),
+                                            "turbo_fused_loss=True"),
+    "kl_cov_setting_with_other_loss": (dict(loss_type="dapo", turbo_kl_cov_coef=0.5), "no effect"),
+    "clip_cov_setting_with_kl_cov": (dict(loss_type="kl_cov", turbo_clip_cov_ratio=1e-3), "no effect"),
+    "kl_cov_coef_nan": (dict(loss_type="kl_cov", turbo_kl_cov_coef=float("nan")), "finite number >= 0"),
+    "kl_cov_coef_infinite": (dict(loss_type="kl_cov", turbo_kl_cov_coef=float("inf")), "finite number >= 0"),
+    "delta_on_kl_cov": (dict(loss_type="kl_cov", delta=1.5), "delta=None"),
+    "delta_on_reinforce": (dict(loss_type="reinforce", delta=1.5), "delta=None"),
+    "delta_on_gmpo": (dict(loss_type="gmpo", delta=1.5), "delta=None"),
+    "reinforce_reused_generation": (dict(loss_type="reinforce", steps_per_generation=4,
+                                         gradient_accumulation_steps=1), "multiple of `steps_per_generation`"),
+    "vespo_sequence_is_mode": (dict(loss_type="vespo", use_vllm=True,
+                                    vllm_importance_sampling_mode="sequence_mask"), "token_truncate"),
+    "vespo_geometric_is_mode": (dict(loss_type="vespo", use_vllm=True,
+                                     vllm_importance_sampling_mode="sequence_geometric_mask"), "token_truncate"),
+    "vespo_sequence_is_mode_stock": (dict(loss_type="vespo", use_vllm=True, turbo_fused_loss=False,
+                                          vllm_importance_sampling_mode="sequence_mask"), "token_truncate"),
     "new_loss_type_without_fused_loss": (dict(loss_type="gmpo", turbo_fused_loss=False), "turbo_fused_loss=True"),
     "new_is_mode_without_fused_loss": (
         dict(vllm_importance_sampling_mode="sequence_geometric_mask", turbo_fused_loss=False), "turbo_fused_loss=True"
@@ -353,8 +421,9 @@ INVALID = {
     "reinforce_multi_iteration": (dict(loss_type="reinforce", num_iterations=2), "num_iterations=1"),
     "clip_cov_ratio_zero": (dict(loss_type="clip_cov", turbo_clip_cov_ratio=0.0), "turbo_clip_cov_ratio"),
     "kl_cov_ratio_above_one": (dict(loss_type="kl_cov", turbo_kl_cov_ratio=2.0), "turbo_kl_cov_ratio"),
-    "clip_cov_bounds_swapped": (dict(turbo_clip_cov_lb=5.0, turbo_clip_cov_ub=1.0), "turbo_clip_cov_lb"),
-    "kl_cov_negative_coef": (dict(turbo_kl_cov_coef=-1.0), "turbo_kl_cov_coef"),
+    "clip_cov_bounds_swapped": (dict(loss_type="clip_cov", turbo_clip_cov_lb=5.0, turbo_clip_cov_ub=1.0),
+                                "turbo_clip_cov_lb"),
+    "kl_cov_negative_coef": (dict(loss_type="kl_cov", turbo_kl_cov_coef=-1.0), "turbo_kl_cov_coef"),
 }
 
 
@@ -363,6 +432,17 @@ def test_invalid_combinations_fail_at_config_time(tmp_path, case):
     kwargs, message = INVALID[case]
     with pytest.raises(ValueError, match=message):
         make(tmp_path, **kwargs)
+
+
+def test_settings_that_act_are_accepted(tmp_path):
+    """The counterparts of the refusals above: each setting where it acts."""
+    make(tmp_path, loss_type="kl_cov", turbo_kl_cov_coef=0.5, turbo_kl_cov_ratio=0.01)
+    make(tmp_path, loss_type="clip_cov", turbo_clip_cov_ratio=1e-3, turbo_clip_cov_lb=0.5, turbo_dual_clip=3.0,
+         delta=1.5)
+    make(tmp_path, loss_type="reinforce", steps_per_generation=2, gradient_accumulation_steps=4)
+    make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask")
+    make(tmp_path, loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="sequence_mask",
+         vllm_importance_sampling_correction=False)
 
 
 def test_gmpo_token_level_is_correction_fails(tmp_path):

@@ -4,20 +4,21 @@ that involve every rank agree.
 Covers what runs on CPU of the multi-GPU story: the fused loss, trl_turbo's checkpoint function (parameter gradients
 handed to DDP's outer backward pass), tiled MLPs and sequence groups (each group a DDP forward/backward) under
 DistributedDataParallel, compared on rank 0 after the gradient all-reduce; the group count agreed over ranks whose
-completions have different lengths; metrics reduced over ranks. The processes are started by
-`torch.distributed.run`, the launcher `accelerate launch` uses for several GPUs; on CPU, `accelerate launch
---num_processes 2` runs one process unless MPI is set up. The accelerator sees MULTI_CPU (gloo) because the config
-has `use_cpu=True`; the script asserts it.
+completions have different lengths, or where one rank's micro-batch cannot be split; metrics reduced over ranks. The
+processes are started by `torch.distributed.run`, the launcher `accelerate launch` uses for several GPUs; on CPU,
+`accelerate launch --num_processes 2` runs one process unless MPI is set up. The accelerator sees MULTI_CPU (gloo)
+because the config has `use_cpu=True`; the script asserts it.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+
+from trl_turbo.testing.multi_gpu import run_launch
 
 SCRIPT = textwrap.dedent(
     """
@@ -47,7 +48,7 @@ def _launch(tmp_path, variant: str) -> list:
     out = tmp_path / f"{variant}.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
                variant, str(out)]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    result = run_launch(command, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return torch.load(out)
 
@@ -84,6 +85,9 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
               "completion_ids": torch.zeros(6, completion, dtype=torch.long)}
     groups = sequence_groups(trainer, inputs)
     assert [(g.start, g.stop) for g in groups] == [(0, 2), (2, 4), (4, 6)], groups
+    # Rank 1's micro-batch carries images (rows are patches, not sequences): no rank splits, and none hangs
+    images = {"pixel_values": torch.zeros(10, 8)} if rank == 1 else {}
+    assert sequence_groups(trainer, {**inputs, **images}) is None
     reduced = _reduced(accelerator, {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},
                        frozenset({"offload/host_peak_gib"}))
     assert reduced == {"offload/offloaded_gib": 0.5, "offload/host_peak_gib": 3.0}, reduced
@@ -98,7 +102,7 @@ def test_group_count_and_metrics_agree_across_ranks(tmp_path):
     script = tmp_path / "collectives.py"
     script.write_text(COLLECTIVES_SCRIPT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = run_launch(command, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "rank0.ok").exists() and (tmp_path / "rank1.ok").exists()
 
@@ -115,7 +119,7 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path):
     for name, launcher in (("one", []), ("two", two_processes)):
         out = tmp_path / f"{name}.json"
         command = [sys.executable, *launcher, *base[1:], str(out)] if launcher else [*base, str(out)]
-        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        result = run_launch(command, cwd=tmp_path, timeout=900)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = json.loads(out.read_text())
     assert runs["two"]["processes"] == 2 and runs["two"]["turbo_checkpointing"]

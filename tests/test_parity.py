@@ -156,6 +156,7 @@ def test_reused_policy_logps_equal_stock_with_separate_old_forward(tmp_path, mod
     stock_loss, stock_grads = parity.loss_and_grads(trainer, stock_inputs, fused=False)
     turbo_loss, turbo_grads = parity.loss_and_grads(trainer, batch, fused=True)
     torch.testing.assert_close(turbo_loss, stock_loss, rtol=2e-5, atol=1e-7)
+    assert stock_grads and stock_grads.keys() == turbo_grads.keys()
     for name, grad in stock_grads.items():
         torch.testing.assert_close(turbo_grads[name], grad, rtol=2e-5, atol=1e-7)
     metrics = trainer._metrics["train"]
@@ -269,8 +270,33 @@ def test_forward_token_budget_leaves_whole_batch_statistics_unsplit(tmp_path, op
     assert trl_trainer.sequence_groups(trainer, inputs) is None
 
 
-def test_forward_token_budget_training_matches_stock():
+def test_forward_token_budget_leaves_image_inputs_unsplit(tmp_path):
+    """Image inputs are laid out per image, patch or tile, not per sequence: slicing them by sequence rows would
+    hand a group another group's images, so a micro-batch with them is one forward."""
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), turbo_forward_token_budget=12),
+                                   peft=True)
+    trainer.model.train()
+    inputs = parity.synthetic_batch(trainer, batch=4, prompt_len=5, completion_len=7)
+    assert len(trl_trainer.sequence_groups(trainer, inputs)) == 4
+    patches = {"pixel_values": torch.zeros(10, 8), "image_grid_thw": torch.tensor([[1, 2, 3], [1, 2, 2]]),
+               "num_images": [1, 1, 0, 0]}  # Qwen-VL layout: rows are patches
+    assert trl_trainer.sequence_groups(trainer, {**inputs, **patches}) is None
+    one_image_each = {"pixel_values": torch.zeros(4, 3, 2, 2)}  # rows happen to match the sequences
+    assert trl_trainer.sequence_groups(trainer, {**inputs, **one_image_each}) is None
+    assert trl_trainer.sequence_groups(trainer, {**inputs, "unknown_rows": torch.zeros(3, 2)}) is None
+
+
+def test_forward_token_budget_training_matches_stock(monkeypatch):
     stock = parity.run_training("stock", steps=2, peft=True, model_kwargs=UNTIED)
+    group_counts = []
+    grouped = trl_trainer._grouped_compute_loss
+
+    def counting(self, model, inputs, groups):
+        group_counts.append(len(groups))
+        return grouped(self, model, inputs, groups)
+
+    monkeypatch.setattr(trl_trainer, "_grouped_compute_loss", counting)
     turbo = parity.run_training("turbo", {"turbo_forward_token_budget": 20}, steps=2, peft=True,
                                 model_kwargs=UNTIED)
+    assert group_counts and min(group_counts) >= 2, group_counts  # TRL's real inputs were split
     parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)

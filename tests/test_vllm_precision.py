@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from trl_turbo.patches import trl_trainer_init, trl_vllm
+from trl_turbo.patches import trl_trainer_init, trl_vllm, versions
 
 
 class _FakeGeneration:
@@ -28,6 +28,7 @@ def _fake_llm(**kwargs):
 @pytest.fixture
 def fake_llm(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "LLM", _fake_llm, raising=False)
+    monkeypatch.setattr(versions, "installed_version", lambda package: {"vllm": "0.24.0"}.get(package))
 
 
 @pytest.mark.parametrize("precision,dtype", [("fp16", "float16"), ("bf16", "bfloat16"), ("no", None)])
@@ -48,6 +49,24 @@ def test_server_mode_and_switch_off_leave_trl_alone(fake_llm, monkeypatch):
     generation = _FakeGeneration("colocate", "fp16")
     trl_vllm._wrap_init_vllm(_original_init_vllm)(generation)
     assert "dtype" not in generation.llm
+
+
+def test_vllm_outside_the_tested_range_keeps_trl_dtype_with_a_warning(fake_llm, monkeypatch):
+    monkeypatch.setattr(versions, "installed_version", lambda package: {"vllm": "0.40.0"}.get(package))
+    generation = _FakeGeneration("colocate", "fp16")
+    with pytest.warns(RuntimeWarning, match=r"turbo_vllm_match_precision` is off.*vllm==0.40.0"):
+        trl_vllm._wrap_init_vllm(_original_init_vllm)(generation)
+    assert "dtype" not in generation.llm
+
+
+def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path, monkeypatch):
+    from trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setattr(versions, "installed_version", lambda package: None if package == "vllm" else "1.0")
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True)
+    with pytest.raises(ValueError, match=r"`use_vllm=True` needs vLLM.*pip install 'trl-turbo\[vllm\]'"):
+        GRPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    args=config)
 
 
 def test_config_is_visible_while_the_trainer_is_constructed():

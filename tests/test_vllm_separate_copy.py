@@ -160,7 +160,11 @@ def _engine_kwargs(model, mixed_precision="no"):
 
 
 @needs_bnb
-def test_a_separate_copy_gets_a_16_bit_engine_with_one_lora_slot(tmp_path):
+def test_a_separate_copy_gets_a_16_bit_engine_with_one_lora_slot(tmp_path, monkeypatch):
+    from trl_turbo.patches import versions
+
+    # the engine's dtype follows the training precision only with a vLLM in precision matching's range
+    monkeypatch.setattr(versions, "installed_version", lambda package: {"vllm": "0.24.0"}.get(package))
     kwargs = _engine_kwargs(_quantized_peft_model(tmp_path / "int8", load_in_8bit=True))
     assert kwargs["load_format"] == "dummy" and kwargs["dtype"] == "bfloat16"
     assert "quantization" in kwargs and kwargs["quantization"] is None  # TRL would ask for bitsandbytes

@@ -233,6 +233,9 @@ def test_kv_budget_is_what_is_left_after_persistent_memory():
     assert auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=0, useful_bytes=gib, **common) == gib
     with pytest.raises(ValueError, match="Not enough device memory"):
         auto_kv_cache_bytes(free_bytes=20 * gib, trainable_params=0, useful_bytes=1 << 50, **common)
+    # A small device: 5% of 16 GiB is 0.8 GiB, so the 2 GiB floor of the margin applies
+    small = {"total_bytes": 16 * gib, "vllm_weight_bytes": 4 * gib, "sampling_workspace_bytes": gib}
+    assert auto_kv_cache_bytes(free_bytes=12 * gib, trainable_params=0, useful_bytes=1 << 50, **small) == 5 * gib
 
 
 
@@ -281,6 +284,18 @@ def test_engine_switches_name_the_vllm_they_need(monkeypatch):
     monkeypatch.setattr(versions, "installed_version", lambda package: "0.22.0" if package == "vllm" else None)
     with pytest.raises(ValueError, match=r"vllm==0.22.0 \(supported: >=0.24.0,<0.25.0\).*trl-turbo\[vllm\]"):
         _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_standby=True)
+
+
+def test_shared_weights_name_the_peft_they_need(monkeypatch):
+    from trl_turbo.patches import versions
+
+    found = {"vllm": "0.24.0", "peft": "1.3.0"}
+    monkeypatch.setattr(versions, "installed_version", found.get)
+    with pytest.raises(ValueError, match=r"peft==1.3.0 \(supported: >=0.17.0,<1.0.0\)"):
+        _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_shared_weights=True)
+    _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_standby=True)  # standby alone reads no adapter
+    found["peft"] = "0.21.0"
+    _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_shared_weights=True)
 
 
 def test_trainer_inputs_that_cannot_share_are_refused_or_copied_before_loading(tmp_path):

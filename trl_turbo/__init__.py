@@ -23,7 +23,8 @@ def patch() -> bool:
 
 
 def unpatch() -> None:
-    """Restore every object trl_turbo replaced; TRL is stock afterwards. `patch()` re-applies."""
+    """Restore every object trl_turbo replaced; TRL is stock afterwards. `patch()` re-applies. A GRPOConfig subclass
+    defined while patched keeps the `turbo_*` fields in its own dataclass `__init__` (unused once unpatched)."""
     with _registry.lock:
         _restore_all()
 

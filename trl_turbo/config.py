@@ -12,16 +12,27 @@ loaded — and raises `ValueError`s that name the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, validate_loss_options
+from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec, validate_loss_options
 
 # Model types whose vLLM implementation stores each HF weight as rows of one tensor (checked again at run time);
 # vLLM holds a separate copy of other models' weights (`trl_turbo.vllm.sharing`).
 SHARED_WEIGHT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The loss spec's defaults are the defaults of the loss fields below (one source).
+_LOSS_DEFAULTS = LossSpec()
+# Loss fields that act in some loss types only -> those loss types.
+LOSS_TYPE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "turbo_clip_cov_ratio": ("clip_cov",),
+    "turbo_clip_cov_lb": ("clip_cov",),
+    "turbo_clip_cov_ub": ("clip_cov",),
+    "turbo_kl_cov_ratio": ("kl_cov",),
+    "turbo_kl_cov_coef": ("kl_cov",),
+}
 
 
 @dataclass
@@ -64,7 +75,7 @@ class TurboFields:
         },
     )
     turbo_clip_cov_ratio: float = field(
-        default=2e-4,
+        default=_LOSS_DEFAULTS.clip_cov_ratio,
         metadata={
             "help": "loss_type='clip_cov' (Clip-Cov, Cui et al., arXiv 2505.22617): fraction of the micro-batch's "
             "valid tokens whose gradient is detached, drawn at random (seeded by the run seed and step) among the "
@@ -73,15 +84,15 @@ class TurboFields:
         },
     )
     turbo_clip_cov_lb: float = field(
-        default=1.0,
+        default=_LOSS_DEFAULTS.clip_cov_lb,
         metadata={"help": "loss_type='clip_cov' (arXiv 2505.22617): lower covariance bound of the candidates (1)."},
     )
     turbo_clip_cov_ub: float = field(
-        default=5.0,
+        default=_LOSS_DEFAULTS.clip_cov_ub,
         metadata={"help": "loss_type='clip_cov' (arXiv 2505.22617): upper covariance bound of the candidates (5)."},
     )
     turbo_kl_cov_ratio: float = field(
-        default=2e-3,
+        default=_LOSS_DEFAULTS.kl_cov_ratio,
         metadata={
             "help": "loss_type='kl_cov' (KL-Cov, Cui et al., arXiv 2505.22617): fraction of the micro-batch's valid "
             "tokens, those of largest covariance (A - mean A)*(logp - mean logp), that get the penalty "
@@ -89,7 +100,7 @@ class TurboFields:
         },
     )
     turbo_kl_cov_coef: float = field(
-        default=1.0,
+        default=_LOSS_DEFAULTS.kl_cov_coef,
         metadata={"help": "loss_type='kl_cov' (arXiv 2505.22617): coefficient of the |log r| penalty (paper: 1)."},
     )
     turbo_offload_checkpoints: bool = field(
@@ -129,8 +140,8 @@ class TurboFields:
             "whole sequences of at most this many tokens (at least one sequence), with the loss normalised over the "
             "whole micro-batch, so activation memory follows one group. Gradients equal the unsplit pass up to float "
             "reassociation; per-step metrics are averaged over groups as TRL averages micro-batches. Not applied "
-            "with top_entropy_quantile < 1, clip_cov/kl_cov, adaptive entropy, MoE aux losses or DeepSpeed. None: "
-            "never split."
+            "with top_entropy_quantile < 1, clip_cov/kl_cov, adaptive entropy, MoE aux losses, DeepSpeed or image "
+            "inputs. None: never split."
         },
     )
     turbo_lean_norms: bool = field(
@@ -214,10 +225,9 @@ def validate(args: Any) -> None:
             f"`turbo_forward_token_budget` must be a positive number of tokens or None, got "
             f"{args.turbo_forward_token_budget}."
         )
-    if args.turbo_offload_host_budget_gib is not None and args.turbo_offload_host_budget_gib < 0:
-        raise ValueError(
-            f"`turbo_offload_host_budget_gib` must be >= 0 GiB or None, got {args.turbo_offload_host_budget_gib}."
-        )
+    budget = args.turbo_offload_host_budget_gib
+    if budget is not None and not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
     _check_memory_features_strategy(args)
     _validate_vllm(args)
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
@@ -225,18 +235,13 @@ def validate(args: Any) -> None:
             f"Unknown `loss_type={args.loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "
             "Pick one of these, or set `turbo_fused_loss=False` to hand the value to stock TRL."
         )
-    turbo_only = [
-        f"`{name}={value!r}`"
-        for name, value, known in (
-            ("loss_type", args.loss_type, TURBO_LOSS_TYPES),
-            ("vllm_importance_sampling_mode", args.vllm_importance_sampling_mode, TURBO_IS_MODES),
-        )
-        if value in known
-    ]
+    _check_vespo_is_mode(args)
+    turbo_only = turbo_loss_settings(args)
     if turbo_only and not args.turbo_fused_loss:
         raise ValueError(
             f"{' and '.join(turbo_only)}: only trl_turbo's loss implements this (stock TRL does not know it), and "
-            "`turbo_fused_loss=False` switches that loss off. Set `turbo_fused_loss=True` or pick one of TRL's values."
+            "`turbo_fused_loss=False` switches that loss off. Set `turbo_fused_loss=True`, or remove these settings "
+            "and use TRL's values."
         )
     if (
         args.vllm_importance_sampling_mode in TURBO_IS_MODES
@@ -252,6 +257,54 @@ def validate(args: Any) -> None:
         )
     if args.turbo_fused_loss:
         validate_loss_options(args)
+        _check_loss_type_settings(args)
+
+
+def turbo_loss_settings(args: Any) -> list[str]:
+    """The settings of `args` that only trl_turbo's loss implements (TRL's own loss would reject or ignore them):
+    its loss types and IS modes, and its loss fields where they differ from their defaults."""
+    settings = [
+        f"`{name}={value!r}`"
+        for name, value, known in (
+            ("loss_type", args.loss_type, TURBO_LOSS_TYPES),
+            ("vllm_importance_sampling_mode", args.vllm_importance_sampling_mode, TURBO_IS_MODES),
+        )
+        if value in known
+    ]
+    if args.turbo_dual_clip is not None:
+        settings.append(f"`turbo_dual_clip={args.turbo_dual_clip!r}`")
+    settings += [f"`{name}={getattr(args, name)!r}`" for name in LOSS_TYPE_SETTINGS if _changed(args, name)]
+    return settings
+
+
+def _changed(args: Any, name: str) -> bool:
+    return getattr(args, name) != getattr(_LOSS_DEFAULTS, name.removeprefix("turbo_"))
+
+
+def _check_loss_type_settings(args: Any) -> None:
+    inert = [name for name, loss_types in LOSS_TYPE_SETTINGS.items()
+             if args.loss_type not in loss_types and _changed(args, name)]
+    if inert:
+        acting = sorted({t for name in inert for t in LOSS_TYPE_SETTINGS[name]})
+        raise ValueError(
+            f"{', '.join(f'`{name}`' for name in inert)} only act with `loss_type` in {acting}; with "
+            f"`loss_type={args.loss_type!r}` they would have no effect. Remove them or change `loss_type`."
+        )
+
+
+def _check_vespo_is_mode(args: Any) -> None:
+    """TRL's own rule, raised in GRPOTrainer's constructor after the model has loaded: raised here instead."""
+    if (
+        args.loss_type == "vespo"
+        and args.use_vllm
+        and args.vllm_importance_sampling_correction
+        and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+    ):
+        raise ValueError(
+            "`loss_type='vespo'` needs a token-level vLLM importance sampling correction: set "
+            "`vllm_importance_sampling_mode` to 'token_truncate' or 'token_mask' (got "
+            f"{args.vllm_importance_sampling_mode!r}), or `vllm_importance_sampling_correction=False`."
+        )
 
 
 def _check_memory_features_strategy(args: Any) -> None:
@@ -336,9 +389,13 @@ def _validate_vllm(args: Any) -> None:
             raise ValueError(f"`turbo_vllm_shared_weights=True` cannot work here: {reason}. Train with DDP "
                              "(TRL's multi_gpu.yaml) or DeepSpeed ZeRO-1/2 to share weights, or set it to False "
                              "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
-    from .patches.versions import VLLM_ENGINE, unsupported_reason
+    from .patches.versions import SUPPORTED_OPTIONAL, VLLM_ENGINE, unsupported_reason
 
     reason = unsupported_reason(VLLM_ENGINE)
     if reason is not None:
         raise ValueError(f"{wanted} need vLLM in the range trl_turbo's engine code is tested with: {reason}. "
                          "Install it with `pip install 'trl-turbo[vllm]'`, or set them off.")
+    reason = unsupported_reason({"peft": SUPPORTED_OPTIONAL["peft"]}) if args.turbo_vllm_shared_weights else None
+    if reason is not None:
+        raise ValueError(f"`turbo_vllm_shared_weights=True` reads the PEFT adapter's layers, tested with peft in "
+                         f"its supported range: {reason}. Install a supported peft, or set it to False.")

@@ -187,10 +187,19 @@ def validate_loss_options(args: Any) -> None:
             "`loss_type='gmpo'` has one importance weight per sequence, so its vLLM IS correction must be "
             f"sequence-level: use a `sequence_*` `vllm_importance_sampling_mode`, got {mode!r}."
         )
-    if loss_type == "reinforce" and args.num_iterations != 1:
+    generate_every = args.steps_per_generation * args.num_iterations
+    if loss_type == "reinforce" and (args.num_iterations != 1 or args.gradient_accumulation_steps % generate_every):
         raise ValueError(
-            "`loss_type='reinforce'` is on-policy (no ratio, no clipping), so it needs `num_iterations=1`, got "
-            f"{args.num_iterations}. Use a ratio-clipping loss type (e.g. 'dapo') for several updates per batch."
+            "`loss_type='reinforce'` is on-policy (no ratio, no clipping): every sample must be trained on in the "
+            "optimizer step it was generated for, so it needs `num_iterations=1` and `gradient_accumulation_steps` "
+            f"a multiple of `steps_per_generation` (got num_iterations={args.num_iterations}, "
+            f"steps_per_generation={args.steps_per_generation}, gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}). Use a ratio-clipping loss type (e.g. 'dapo') to reuse samples."
+        )
+    if args.delta is not None and loss_type in TURBO_LOSS_TYPES and family not in RATIO_CLIP_FAMILIES:
+        raise ValueError(
+            f"`delta` caps the unclipped ratio of PPO-style two-sided clipping, which `loss_type={loss_type!r}` "
+            "does not have; it would have no effect. Set `delta=None`."
         )
     dual_clip = args.turbo_dual_clip
     if dual_clip is not None:
@@ -201,8 +210,8 @@ def validate_loss_options(args: Any) -> None:
                 f"`loss_type={loss_type!r}` has no PPO-style ratio clipping. Use it with one of {clipping}, or "
                 "set `turbo_dual_clip=None`."
             )
-        if not dual_clip > 1.0:
-            raise ValueError(f"`turbo_dual_clip` must be > 1 (the paper uses 3), got {dual_clip}.")
+        if not (math.isfinite(dual_clip) and dual_clip > 1.0):
+            raise ValueError(f"`turbo_dual_clip` must be a finite number > 1 (the paper uses 3), got {dual_clip}.")
     for name in ("turbo_clip_cov_ratio", "turbo_kl_cov_ratio"):
         value = getattr(args, name)
         if not 0.0 < value <= 1.0:
@@ -212,8 +221,8 @@ def validate_loss_options(args: Any) -> None:
             f"`turbo_clip_cov_lb` ({args.turbo_clip_cov_lb}) must be smaller than `turbo_clip_cov_ub` "
             f"({args.turbo_clip_cov_ub})."
         )
-    if args.turbo_kl_cov_coef < 0:
-        raise ValueError(f"`turbo_kl_cov_coef` must be >= 0, got {args.turbo_kl_cov_coef}.")
+    if not (math.isfinite(args.turbo_kl_cov_coef) and args.turbo_kl_cov_coef >= 0):
+        raise ValueError(f"`turbo_kl_cov_coef` must be a finite number >= 0, got {args.turbo_kl_cov_coef}.")
 
 
 # ----------------------------------------------------------------------------------------------- importance sampling

@@ -175,6 +175,35 @@ def _wrap_generate_and_score(original):
     return _generate_and_score_completions
 
 
+def check_loss_owner(trainer_cls: type, config: Any) -> None:
+    """Before the model loads: trl_turbo's loss settings against the class that will compute the loss. A TRL trainer
+    that overrides `_compute_loss` (GMPOTrainer) never runs trl_turbo's loss, so settings only that loss implements
+    would be ignored; a GRPOConfig subclass is not checked for unknown loss types at config time (its own trainer may
+    define them), so that check happens here, where the trainer is known. A user's override is left alone: it may
+    call trl_turbo's loss through `super()`."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from ..config import turbo_loss_settings
+
+    if config is None or not getattr(config, "turbo_fused_loss", False):
+        return  # the config's own validation refused trl_turbo-only settings
+    owner = next(cls for cls in trainer_cls.__mro__ if "_compute_loss" in cls.__dict__)
+    if owner is GRPOTrainer:  # its `_compute_loss` is trl_turbo's
+        if config.loss_type not in losses.LOSS_TYPES:
+            raise ValueError(
+                f"Unknown `loss_type={config.loss_type!r}`. trl_turbo's fused loss supports: "
+                f"{', '.join(losses.LOSS_TYPES)}. Pick one of these, or set `turbo_fused_loss=False` to hand the "
+                "value to stock TRL."
+            )
+        return
+    ignored = turbo_loss_settings(config) if owner.__module__.split(".")[0] == "trl" else []
+    if ignored:
+        raise ValueError(
+            f"{owner.__name__} computes its own loss (it overrides `_compute_loss`), so trl_turbo's loss "
+            f"never runs and {' and '.join(ignored)} would have no effect. Remove them, or train with GRPOTrainer."
+        )
+
+
 def _wrap_compute_loss(original):
     @functools.wraps(original)
     def _compute_loss(self, model, inputs):
@@ -203,6 +232,8 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
     per_group = max(1, budget // length)
     count = -(-sequences // per_group) if sequences * length > budget else 1
+    if not rows_are_sequences(inputs, sequences):
+        count = 0  # this micro-batch cannot be split (its rank still takes part in the agreement below)
     if trainer.accelerator.num_processes > 1:
         count = agreed_group_count(trainer.accelerator, count, prompt_ids.device)
     count = min(count, sequences)  # GRPO's micro-batches have the same number of sequences on every rank
@@ -216,8 +247,10 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
 
 
 def agreed_group_count(accelerator: Any, count: int, device: torch.device) -> int:
-    """The largest group count of any rank (one small all-gather per micro-batch, on every rank)."""
-    return int(accelerator.gather(torch.tensor([count], device=device)).max().item())
+    """The largest group count of any rank, or 0 (no split anywhere) when some rank's micro-batch cannot be split
+    (count 0); one small all-gather per micro-batch, on every rank."""
+    counts = accelerator.gather(torch.tensor([count], device=device))
+    return 0 if int(counts.min().item()) == 0 else int(counts.max().item())
 
 
 def splittable_loss(trainer: Any) -> bool:
@@ -233,6 +266,25 @@ def splittable_loss(trainer: Any) -> bool:
         and not trainer.aux_loss_enabled
         and trainer.accelerator.distributed_type != DistributedType.DEEPSPEED
     )
+
+
+# Image inputs are laid out per image, patch or tile (TRL slices them with `num_images`, grids or tile counts), so
+# their rows are not sequences even where the counts happen to agree.
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "image_position_ids",
+                "spatial_shapes", "num_tiles")
+
+
+def rows_are_sequences(inputs: dict[str, Any], sequences: int) -> bool:
+    """Whether every batched input has one row per sequence, so a group of sequences is a slice of each (no image
+    inputs; tensors of one row per sequence or scalars; lists of one item per sequence or non-lists)."""
+    if any(inputs.get(name) is not None for name in IMAGE_INPUTS):
+        return False
+    for value in inputs.values():
+        if torch.is_tensor(value) and value.dim() > 0 and value.size(0) != sequences:
+            return False
+        if isinstance(value, list) and len(value) != sequences:
+            return False
+    return True
 
 
 def _slice_inputs(inputs: dict[str, Any], rows: slice, sequences: int) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 While TRL's constructor runs, the trainer's GRPOConfig is visible through `constructing_config()`. Objects TRL builds
 inside it never receive the config, the vLLM engine among them, and this lets their patches read it. After the
 constructor, the model-side features are installed: lean norms, the checkpointing runtime, tiled MLPs. Before it,
-inputs that the shared-weights engine cannot serve are refused, so no model loads for a run that would fail.
+loss settings the trainer class would ignore or not know and inputs that the shared-weights engine cannot serve are
+refused, so no model loads for a run that would fail.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def _wrap_init(original):
     def __init__(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         config = bound.get("args")
+        from .trl_trainer import check_loss_owner
         from .trl_vllm import check_trainer_inputs  # trl_vllm reads `constructing_config` from this module
 
+        check_loss_owner(type(self), config)
         check_trainer_inputs(config, bound.get("model"), bound.get("peft_config"), bound.get("quantization_config"))
         token = _constructing.set(config)
         try:

@@ -49,7 +49,7 @@ from ..vllm.quantized import (
     vllm_quantization_config,
 )
 from ..vllm.sharing import COPY, SHARED, Sharing, copy_reasons, fallback_warning, sharing_mode
-from . import registry
+from . import registry, versions
 from .trl_trainer_init import constructing_config
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
@@ -61,17 +61,27 @@ def _setting(config: Any, name: str) -> Any:
 
 
 def vllm_dtype(generation: Any) -> str | None:
-    """The dtype vLLM should use for a `VLLMGeneration` built by a GRPOTrainer, or None to leave TRL's choice."""
+    """The dtype vLLM should use for a `VLLMGeneration` built by a GRPOTrainer, or None to leave TRL's choice (also
+    for a vLLM outside the range precision matching is tested with: a warning, and TRL's own choice)."""
     config = constructing_config()
     if not _setting(config, "turbo_vllm_match_precision") or generation.mode != "colocate":
+        return None
+    reason = versions.unsupported_reason({"vllm": versions.SUPPORTED_OPTIONAL["vllm"]})
+    if reason is not None:
+        warnings.warn(f"trl_turbo: `turbo_vllm_match_precision` is off for this engine: {reason}. vLLM samples in "
+                      "the dtype TRL chooses.", RuntimeWarning, stacklevel=2)
         return None
     return _DTYPES.get(str(generation.accelerator.mixed_precision))
 
 
 # ------------------------------------------------------------------------------------------ trainer inputs
 def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization_config: Any = None) -> None:
-    """Before the model loads: refuse a shared-weights run no engine can serve (no LoRA adapter, an adapter vLLM
-    cannot take, quantization other than bitsandbytes), and warn when vLLM will hold a separate copy."""
+    """Before the model loads: refuse a vLLM run without vLLM installed, and a shared-weights run no engine can serve
+    (no LoRA adapter, an adapter vLLM cannot take, quantization other than bitsandbytes), and warn when vLLM will
+    hold a separate copy."""
+    if config is not None and getattr(config, "use_vllm", False) and versions.installed_version("vllm") is None:
+        raise ValueError("`use_vllm=True` needs vLLM, which is not installed: `pip install 'trl-turbo[vllm]'` "
+                         "(vLLM 0.24 for trl_turbo's engine features), or set `use_vllm=False`.")
     if config is None or not _setting(config, "turbo_vllm_shared_weights"):
         return
     adapter = peft_config

@@ -17,7 +17,8 @@ SUPPORTED: dict[str, tuple[str, str]] = {
     "transformers": ("5.17.0", "6.0.0"),
     "torch": ("2.8.0", "3.0.0"),
 }
-# Optional libraries: checked only when a feature needs them.
+# Optional libraries, checked where a feature needs them: vLLM by precision matching (outside: a warning, TRL's dtype),
+# peft by shared weights (outside: a config-time error).
 SUPPORTED_OPTIONAL: dict[str, tuple[str, str]] = {
     "vllm": ("0.22.0", "0.32.0"),
     "peft": ("0.17.0", "1.0.0"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 import zlib
 from typing import Any
@@ -50,6 +51,25 @@ def deterministic_completions(trainer: Any, pad_id: int, eos_id: int, first_toke
         return completions, None
 
     trainer._generate_single_turn = _generate_single_turn
+
+
+def run_launch(command: list[str], *, cwd: Any, timeout: float) -> subprocess.CompletedProcess:
+    """Run a multi-process launch (`torch.distributed.run`, `accelerate launch`) to completion, capturing its output.
+    On timeout the launcher gets SIGTERM first, on which it stops its workers: they run in sessions of their own, so
+    killing only the launcher (what `subprocess.run(timeout=...)` does) would leave them running. Raises
+    `subprocess.TimeoutExpired` with the output so far."""
+    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def fresh_rendezvous_env() -> dict[str, str]:

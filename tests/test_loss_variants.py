@@ -253,7 +253,7 @@ def test_fused_kernel_matches_reference(name, dtype):
 
 
 # ----------------------------------------------------------------------------------------- vs TRL's GMPOTrainer
-@pytest.mark.parametrize("settings", [{"turbo_dual_clip": 3.0}, {"loss_type": "kl_cov"},
+@pytest.mark.parametrize("settings", [{"turbo_dual_clip": 3.0}, {"loss_type": "kl_cov", "turbo_kl_cov_coef": 0.5},
                                       {"vllm_importance_sampling_mode": "sequence_geometric_mask"}], ids=str)
 def test_trainer_with_its_own_loss_refuses_turbo_loss_settings_before_loading(tmp_path, settings):
     """GMPOTrainer overrides `_compute_loss`: trl_turbo's loss settings would be ignored. The model is a path that
@@ -262,6 +262,17 @@ def test_trainer_with_its_own_loss_refuses_turbo_loss_settings_before_loading(tm
 
     config = GMPOConfig(output_dir=str(tmp_path), **CPU, **settings)
     with pytest.raises(ValueError, match="computes its own loss"):
+        GMPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    args=config)
+
+
+def test_trl_trainer_with_its_own_loss_ignores_loss_type_as_stock_does(tmp_path):
+    """GMPOTrainer never reads `loss_type`: stock TRL accepts any value there, and so does trl_turbo (the constructor
+    goes on to load the model, which does not exist here)."""
+    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+    config = GMPOConfig(output_dir=str(tmp_path), **CPU, loss_type="gmpo")
+    with pytest.raises(OSError):
         GMPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                     args=config)
 
@@ -294,6 +305,15 @@ def test_config_subclass_with_unknown_loss_type_fails_before_loading(tmp_path):
     with pytest.raises(ValueError, match="Unknown `loss_type='dapo_typo'`"):
         GRPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
                     args=config)
+
+    class OwnLossTrainer(GRPOTrainer):  # computes "my_loss" in the public hook: the loss type is its own
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            raise NotImplementedError
+
+    config = MyConfig(output_dir=str(tmp_path), **CPU, loss_type="my_loss")
+    with pytest.raises(OSError):
+        OwnLossTrainer(model=str(tmp_path / "no-model"), args=config,
+                       reward_funcs=lambda completions, **_: [0.0] * len(completions))
 
 
 @pytest.mark.parametrize("case", ["plain", "kl", "entropy_mask"])

@@ -62,7 +62,7 @@ def test_vllm_outside_the_tested_range_keeps_trl_dtype_with_a_warning(fake_llm, 
 def test_use_vllm_without_vllm_fails_before_the_model_loads(tmp_path, monkeypatch):
     from trl import GRPOConfig, GRPOTrainer
 
-    monkeypatch.setattr(versions, "installed_version", lambda package: None if package == "vllm" else "1.0")
+    monkeypatch.setattr(versions, "importable", lambda module: module != "vllm")
     config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True)
     with pytest.raises(ValueError, match=r"`use_vllm=True` needs vLLM.*pip install 'trl-turbo\[vllm\]'"):
         GRPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),

@@ -260,13 +260,14 @@ def validate(args: Any) -> None:
         _check_loss_type_settings(args)
 
 
-def turbo_loss_settings(args: Any) -> list[str]:
+def turbo_loss_settings(args: Any, *, with_loss_type: bool = True) -> list[str]:
     """The settings of `args` that only trl_turbo's loss implements (TRL's own loss would reject or ignore them):
-    its loss types and IS modes, and its loss fields where they differ from their defaults."""
+    its loss types (unless `with_loss_type=False`) and IS modes, and its loss fields where they differ from their
+    defaults."""
     settings = [
         f"`{name}={value!r}`"
         for name, value, known in (
-            ("loss_type", args.loss_type, TURBO_LOSS_TYPES),
+            ("loss_type", args.loss_type, TURBO_LOSS_TYPES if with_loss_type else ()),
             ("vllm_importance_sampling_mode", args.vllm_importance_sampling_mode, TURBO_IS_MODES),
         )
         if value in known

@@ -179,24 +179,29 @@ def check_loss_owner(trainer_cls: type, config: Any) -> None:
     """Before the model loads: trl_turbo's loss settings against the class that will compute the loss. A TRL trainer
     that overrides `_compute_loss` (GMPOTrainer) never runs trl_turbo's loss, so settings only that loss implements
     would be ignored; a GRPOConfig subclass is not checked for unknown loss types at config time (its own trainer may
-    define them), so that check happens here, where the trainer is known. A user's override is left alone: it may
-    call trl_turbo's loss through `super()`."""
+    define them), so that check happens here, where the trainer is known (and only where both `compute_loss` and
+    `_compute_loss` are GRPOTrainer's). A user's override is left alone: it may call trl_turbo's loss through
+    `super()`."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     from ..config import turbo_loss_settings
 
     if config is None or not getattr(config, "turbo_fused_loss", False):
         return  # the config's own validation refused trl_turbo-only settings
-    owner = next(cls for cls in trainer_cls.__mro__ if "_compute_loss" in cls.__dict__)
+    def owner_of(method: str) -> type:
+        return next(cls for cls in trainer_cls.__mro__ if method in cls.__dict__)
+
+    owner = owner_of("_compute_loss")
     if owner is GRPOTrainer:  # its `_compute_loss` is trl_turbo's
-        if config.loss_type not in losses.LOSS_TYPES:
+        if config.loss_type not in losses.LOSS_TYPES and owner_of("compute_loss") is GRPOTrainer:
             raise ValueError(
                 f"Unknown `loss_type={config.loss_type!r}`. trl_turbo's fused loss supports: "
                 f"{', '.join(losses.LOSS_TYPES)}. Pick one of these, or set `turbo_fused_loss=False` to hand the "
                 "value to stock TRL."
             )
         return
-    ignored = turbo_loss_settings(config) if owner.__module__.split(".")[0] == "trl" else []
+    # `loss_type` is not among them: TRL's own trainers with their own loss do not read it
+    ignored = turbo_loss_settings(config, with_loss_type=False) if owner.__module__.split(".")[0] == "trl" else []
     if ignored:
         raise ValueError(
             f"{owner.__name__} computes its own loss (it overrides `_compute_loss`), so trl_turbo's loss "

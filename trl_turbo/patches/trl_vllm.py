@@ -79,7 +79,7 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
     """Before the model loads: refuse a vLLM run without vLLM installed, and a shared-weights run no engine can serve
     (no LoRA adapter, an adapter vLLM cannot take, quantization other than bitsandbytes), and warn when vLLM will
     hold a separate copy."""
-    if config is not None and getattr(config, "use_vllm", False) and versions.installed_version("vllm") is None:
+    if config is not None and getattr(config, "use_vllm", False) and not versions.importable("vllm"):
         raise ValueError("`use_vllm=True` needs vLLM, which is not installed: `pip install 'trl-turbo[vllm]'` "
                          "(vLLM 0.24 for trl_turbo's engine features), or set `use_vllm=False`.")
     if config is None or not _setting(config, "turbo_vllm_shared_weights"):

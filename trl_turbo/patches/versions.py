@@ -27,6 +27,13 @@ SUPPORTED_OPTIONAL: dict[str, tuple[str, str]] = {
 VLLM_ENGINE: dict[str, tuple[str, str]] = {"vllm": ("0.24.0", "0.25.0")}
 
 
+def importable(module: str) -> bool:
+    """Whether `module` can be imported (as TRL decides availability; a distribution may carry another name)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def installed_version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)

@@ -231,6 +231,8 @@ def test_e2e_child_failure_becomes_a_row(tmp_path):
     row = e2e._run_child(spec, timeout_s=300)
     assert row["variant"] == "stock" and row["ok"] is False and row["error"]
     assert "timed out" not in row["error"], row["error"]  # failed fast, for its own reason
+    stopped = e2e._run_child(spec, timeout_s=0.5)  # the child is still importing: stopped, and the row says so
+    assert stopped["ok"] is False and stopped["error"].startswith("timed out"), stopped["error"]
 
 
 def test_e2e_ranks_merge_into_one_row_and_scaling_is_against_one_gpu():

@@ -33,7 +33,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ..testing.multi_gpu import fresh_rendezvous_env
+from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from .results import DEFAULT_RESULTS_DIR, GIB
 from .shapes import QUANTIZATIONS, SHAPES, build_config
 
@@ -370,8 +370,8 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         row_paths = [Path(scratch) / f"row{rank}.json" for rank in range(processes)]
         spec_path.write_text(json.dumps({**spec, "row_dir": scratch}))
         try:
-            process = subprocess.run([*launch_command(spec["launch"], processes), str(spec_path)],
-                                     timeout=timeout_s, check=False, env=fresh_rendezvous_env())
+            process = run_launch([*launch_command(spec["launch"], processes), str(spec_path)], timeout=timeout_s,
+                                 env=fresh_rendezvous_env(), capture=False)
             failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
         except subprocess.TimeoutExpired:
             failure = f"timed out after {timeout_s:.0f} s"

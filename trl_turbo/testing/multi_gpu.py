@@ -53,12 +53,14 @@ def deterministic_completions(trainer: Any, pad_id: int, eos_id: int, first_toke
     trainer._generate_single_turn = _generate_single_turn
 
 
-def run_launch(command: list[str], *, cwd: Any, timeout: float) -> subprocess.CompletedProcess:
-    """Run a multi-process launch (`torch.distributed.run`, `accelerate launch`) to completion, capturing its output.
-    On timeout the launcher gets SIGTERM first, on which it stops its workers: they run in sessions of their own, so
-    killing only the launcher (what `subprocess.run(timeout=...)` does) would leave them running. Raises
-    `subprocess.TimeoutExpired` with the output so far."""
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run_launch(command: list[str], *, timeout: float, cwd: Any = None, env: dict[str, str] | None = None,
+               capture: bool = True) -> subprocess.CompletedProcess:
+    """Run a multi-process launch (`torch.distributed.run`, `accelerate launch`) to completion, capturing its output
+    unless `capture=False`. On timeout the launcher gets SIGTERM first, on which it stops its workers: they run in
+    sessions of their own, so killing only the launcher (what `subprocess.run(timeout=...)` does) would leave them
+    running. Raises `subprocess.TimeoutExpired` with the output so far."""
+    pipe = subprocess.PIPE if capture else None
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=pipe, stderr=pipe, text=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

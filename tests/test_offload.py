@@ -152,6 +152,98 @@ def test_tiled_mlp_matches_plain_mlp(arch, checkpointing):
         torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+def _lora_with_dropout(dropout: float):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
+    model = get_peft_model(_model(layers=2), LoraConfig(r=4, lora_dropout=dropout,
+                                                        target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1, generator=torch.Generator().manual_seed(1))
+    model.train()
+    return model
+
+
+def _seeded_grads(model, ids, **features):
+    base = model.get_base_model()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if features.get("runtime"):
+        install_runtime(base, CheckpointingRuntime(None))
+    if features.get("tiled_tokens"):
+        install_tiled_mlp(base, features["tiled_tokens"])
+    torch.manual_seed(123)  # the dropout masks
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_lora_dropout_gradients_equal_plain_checkpointing():
+    """Dropout masks drawn in the forward must be the ones the backward uses: the checkpoint recompute replays the
+    random state; an MLP with active dropout runs untiled (its tiles' recompute would draw new masks)."""
+    ids = _ids(batch=2, length=24)
+    stock_loss, stock = _seeded_grads(_lora_with_dropout(0.5), ids)
+    turbo_loss, turbo = _seeded_grads(_lora_with_dropout(0.5), ids, runtime=True, tiled_tokens=8)
+    torch.testing.assert_close(turbo_loss, stock_loss, rtol=0, atol=0)
+    assert stock.keys() == turbo.keys() and stock
+    for name in stock:
+        torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    mlp = _lora_with_dropout(0.0).get_base_model()
+    install_tiled_mlp(mlp, 8)
+    out = mlp.model.layers[0].mlp(torch.randn(1, 20, 32, requires_grad=True))
+    assert "TiledMLP" in type(out.grad_fn).__name__  # without dropout the same MLP is tiled
+
+
+def test_keyword_tensors_that_need_gradients_get_them():
+    """transformers binds a layer's keyword arguments with functools.partial; the checkpoint function must not
+    detach a keyword tensor that requires grad (it hands such calls to PyTorch's non-reentrant checkpoint)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from trl_turbo.offload import offloaded_checkpoint
+
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    scale = torch.randn(4, requires_grad=True)
+    results = []
+    for function in (functools.partial(checkpoint, use_reentrant=False), offloaded_checkpoint(None, linear)):
+        linear.zero_grad()
+        x.grad = scale.grad = None
+        out = function(functools.partial(lambda h, scale: linear(h) * scale, scale=scale), x)
+        out.sum().backward()
+        results.append((x.grad.clone(), scale.grad.clone(), linear.weight.grad.clone()))
+    for stock, turbo in zip(*results):
+        torch.testing.assert_close(turbo, stock, rtol=0, atol=0)
+
+
+def test_layers_outside_the_tested_families_keep_transformers_checkpointing():
+    """MoE layers (router logits captured by hooks feed the aux loss) and other families keep their own
+    checkpoint function and plain MLP."""
+    from trl_turbo.patches.transformers_checkpointing import SUPPORTED_LAYER_CLASSES
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = tiny_model("llama", vocab_size=len(VOCAB), layers=2)
+
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3_moe", vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01))
+    moe.train()
+    assert type(moe.model.layers[0]).__name__ not in SUPPORTED_LAYER_CLASSES
+    moe.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = moe.model.layers[0]._gradient_checkpointing_func
+    install_runtime(moe, CheckpointingRuntime(None))
+    assert install_tiled_mlp(moe, 8) == 0
+    assert moe.model.layers[0]._gradient_checkpointing_func is before
+    ids = _ids(batch=2, length=24)
+    out = moe(ids, labels=ids)
+    assert out.aux_loss.requires_grad  # the router is still trained by its balancing loss
+    assert install_tiled_mlp(model, 8) == 2  # the llama layers are
+
+
 def test_tiled_mlp_leaves_small_inputs_alone():
     model = _model()
     install_tiled_mlp(model, 10_000)

@@ -108,8 +108,10 @@ class TurboFields:
         metadata={
             "help": "With gradient_checkpointing: each decoder layer's checkpointed input goes to pinned CPU memory on "
             "a side stream during the forward pass and is prefetched back one layer ahead during the backward "
-            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. One process, "
-            "DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
+            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. Decoder layers "
+            "of llama, mistral, qwen2, qwen3, gemma, gemma2 and gemma3 (text); other layers (MoE, other families) "
+            "keep transformers' checkpointing. One process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays "
+            "off, with a warning)."
         },
     )
     turbo_offload_host_budget_gib: float | None = field(
@@ -125,8 +127,10 @@ class TurboFields:
         metadata={
             "help": "Compute each decoder layer's MLP over token tiles (recomputed per tile in the backward pass), "
             "so its working set does not grow with the micro-batch's token count. Gradients equal plain MLP's up "
-            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched. One "
-            "process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays off, with a warning)."
+            "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched, and so "
+            "are MLPs with active dropout (lora_dropout > 0). The dense MLPs of the families "
+            "turbo_offload_checkpoints covers. One process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays "
+            "off, with a warning)."
         },
     )
     turbo_tiled_mlp_tokens: int = field(

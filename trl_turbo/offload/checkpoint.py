@@ -17,7 +17,9 @@ Where the saved input lives is decided by `CheckpointOffloader`:
 - Without a device (CPU tensors) the same bookkeeping runs with synchronous copies, so tests exercise it.
 
 The host and device copies are bitwise identical, so gradients are exactly those of plain checkpointing. Under
-no_grad or inference mode the layer runs directly; nothing is saved or copied.
+no_grad or inference mode the layer runs directly; nothing is saved or copied. The forward runs without a graph, so a
+call whose bound keyword arguments hold a tensor that requires grad, or a dict or list the layer may fill, goes to
+PyTorch's non-reentrant checkpoint instead (which tracks them).
 
 Gradients leave the backward pass through the Function's outputs only. The layer's trainable parameters are inputs
 of the Function, and the recompute differentiates with `torch.autograd.grad` (which writes no `.grad`), so every
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from .pinned_pool import DEFAULT_CHUNK_BYTES, HostBlocks, PinnedPool
 
@@ -300,6 +303,23 @@ def _force_grad_leaf(device: torch.device) -> torch.Tensor:
     return _force_grad_leaves[device]
 
 
+def _keyword_needs_graph(function: Callable) -> bool:
+    """Whether the keyword arguments bound into `function` (transformers binds the layer's keywords with
+    `functools.partial`) hold a tensor that requires grad, or a dict or list the layer may write into."""
+    keywords = getattr(function, "keywords", None) or {}
+
+    def needs(value: Any) -> bool:
+        if torch.is_tensor(value):
+            return value.requires_grad
+        if isinstance(value, (dict, list)):
+            return True
+        if isinstance(value, tuple):
+            return any(needs(item) for item in value)
+        return False
+
+    return any(needs(value) for value in keywords.values())
+
+
 def offloaded_checkpoint(offloader: CheckpointOffloader | None,
                          layer: torch.nn.Module | None = None) -> Callable[..., Any]:
     """A `_gradient_checkpointing_func` for transformers' GradientCheckpointingLayer (called as f(function, *args)).
@@ -310,6 +330,10 @@ def offloaded_checkpoint(offloader: CheckpointOffloader | None,
     def checkpoint(function: Callable, *args: Any, **_ignored: Any) -> Any:
         if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]):
             return function(*args)
+        if _keyword_needs_graph(function):
+            # The forward runs without a graph: a keyword tensor that needs a gradient, or a container the layer
+            # fills, would come out detached. PyTorch's own non-reentrant checkpoint tracks them.
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
         hidden = args[0]
         params = [p for p in layer.parameters() if p.requires_grad] if layer is not None else []
         return _OffloadedCheckpoint.apply(function, offloader, len(params), _force_grad_leaf(hidden.device), hidden,

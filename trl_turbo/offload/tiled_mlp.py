@@ -15,6 +15,9 @@ Under trl_turbo's gradient checkpointing, the layer's recompute (`is_recomputing
 backward pass; its output values are never read. Where the MLP output feeds the residual sum directly (no norm after
 it), the tiled MLP then skips its forward computation. The MLP runs forward twice per step, as with plain
 checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) compute it.
+
+An MLP with active dropout modules (LoRA's `lora_dropout` > 0 in training) runs untiled: a tile recomputed in the
+backward pass would draw other dropout masks than its forward did.
 """
 
 from __future__ import annotations
@@ -94,12 +97,18 @@ class TiledMLPForward:
         # count) and a grad call to dequantise + matmul; they round differently, so tiles of a quantized MLP take
         # the grad path, as the untiled MLP in a training forward does (see `_TiledMLP.forward`).
         self.grad_path = any(type(m).__module__.startswith("bitsandbytes") for m in module.modules())
+        # Tiles are recomputed in the backward pass without the forward's random state: dropout (LoRA's
+        # `lora_dropout`) would draw other masks, so an MLP with active dropout runs untiled.
+        self.dropouts = [m for m in module.modules() if isinstance(m, torch.nn.Dropout)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
-        if not torch.is_grad_enabled() or tokens <= self.tile_tokens:
+        if not torch.is_grad_enabled() or tokens <= self.tile_tokens or self._dropout_active():
             return self.original(x)
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]
         return _TiledMLP.apply(self.original, self.tile_tokens, output_unused, self.grad_path,
                                _force_grad_leaf(x.device), x, *params)
+
+    def _dropout_active(self) -> bool:
+        return any(m.training and m.p > 0 for m in self.dropouts)

@@ -4,8 +4,9 @@ Seams:
 - `PreTrainedModel._set_gradient_checkpointing` is where every enable lands. That includes `Trainer.train()` and
   the re-enables TRL performs around each generation and no-grad pass (with raw kwargs that break transformers'
   own `offload` option). After the original, a model that carries a `CheckpointingRuntime` (attached by the
-  GRPOTrainer patch) gets trl_turbo's checkpoint function on each decoder layer. The layer's own function is kept
-  for `unpatch()`.
+  GRPOTrainer patch) gets trl_turbo's checkpoint function on each decoder layer of the tested dense families
+  (`SUPPORTED_LAYER_CLASSES`; other layers keep transformers' function). The layer's own function is kept for
+  `unpatch()`.
 - `PreTrainedModel.enable_input_require_grads` registers a new embedding hook on every call and forgets the old
   handles, so TRL's re-enables pile up one hook per generation. The wrapper removes the previous hooks first.
 - Tiled MLPs and lean RMSNorms are installed per module instance through the registry, which holds those modules
@@ -28,6 +29,14 @@ _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # against its original on every supported transformers version (gemma's `1 + weight` form is not among them).
 LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 _SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # the MLPs Liger's SwiGLU computes exactly
+# Decoder layers that trl_turbo's checkpoint function and tiled MLP apply to: the dense families the parity tests
+# train. Their layers take no keyword tensor that needs a gradient and capture nothing through hooks (MoE router
+# logits would be), their MLPs act per token, and their MLP output feeds the residual sum directly except where a
+# `post_feedforward_layernorm` follows it. Other layers keep transformers' checkpointing and their plain MLP.
+SUPPORTED_LAYER_CLASSES = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer",
+    "Gemma2DecoderLayer", "Gemma3DecoderLayer",
+})
 _configured: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -49,6 +58,11 @@ class CheckpointingRuntime:
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The checkpointed layers of `model` that trl_turbo's features apply to (`SUPPORTED_LAYER_CLASSES`)."""
+    return [m for m in _checkpointed_layers(model) if type(m).__name__ in SUPPORTED_LAYER_CLASSES]
+
+
+def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -154,7 +168,7 @@ def _wrap_enable_input_require_grads(original):
 def _detach_all_models() -> None:
     """On unpatch: configured models go back to the checkpoint function transformers gave them."""
     for model in list(_configured):
-        for layer in _decoder_layers(model):
+        for layer in _checkpointed_layers(model):
             original = layer.__dict__.pop("_trl_turbo_original_checkpoint", None)
             if original is not None:
                 layer._gradient_checkpointing_func = original

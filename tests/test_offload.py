@@ -244,6 +244,44 @@ def test_layers_outside_the_tested_families_keep_transformers_checkpointing():
     assert install_tiled_mlp(model, 8) == 2  # the llama layers are
 
 
+def test_a_later_trainer_on_the_same_model_gets_exactly_its_own_features(tmp_path):
+    """A second trainer with every feature off leaves nothing of the first installed; after two configured trainers,
+    `unpatch()` gives each layer back transformers' checkpoint function."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_turbo.offload import LeanRMSNormForward
+    from trl_turbo.tasks import arithmetic
+    from trl_turbo.testing.tokenizer import build_tokenizer
+
+    model = tiny_model("llama", vocab_size=len(VOCAB))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    transformers_function = model.model.layers[0]._gradient_checkpointing_func
+
+    def trainer(**features):
+        args = GRPOConfig(**parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True, **features))
+        return GRPOTrainer(model=model, reward_funcs=[arithmetic.format_reward], args=args,
+                           processing_class=build_tokenizer(), train_dataset=arithmetic.load_dataset("train").select(
+                               range(8)))
+
+    def installed():
+        layer = model.model.layers[0]
+        return (hasattr(layer._gradient_checkpointing_func, "__trl_turbo_offloader__"),
+                isinstance(layer.mlp.__dict__.get("forward"), TiledMLPForward),
+                isinstance(layer.input_layernorm.__dict__.get("forward"), LeanRMSNormForward))
+
+    trainer(turbo_tiled_mlp_tokens=4)
+    assert installed() == (True, True, True)
+    trainer(**parity.ALL_FEATURES_OFF)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as train() does
+    assert installed() == (False, False, False)
+    trainer(turbo_tiled_mlp_tokens=4)
+    trainer(turbo_tiled_mlp_tokens=8)
+    assert installed() == (True, True, True) and model.model.layers[0].mlp.forward.tile_tokens == 8
+    trl_turbo.unpatch()
+    assert installed() == (False, False, False)
+    assert type(model.model.layers[0]._gradient_checkpointing_func) is type(transformers_function)
+
+
 def test_tiled_mlp_leaves_small_inputs_alone():
     model = _model()
     install_tiled_mlp(model, 10_000)

@@ -37,13 +37,13 @@ from . import (
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 from .shapes import QUANTIZATIONS, SHAPES, build_config
 
-# Config each variant adds to GRPOConfig; stock runs with trl_turbo unpatched. Order matters: each later variant's
-# trainer installs on top of the shared model what the earlier ones did not.
+# Config each variant adds to GRPOConfig; stock runs first, with trl_turbo unpatched. Each trainer built on the
+# shared model first removes what an earlier one installed, so every variant runs exactly its own features.
 VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {},
     "turbo-loss": {"turbo_offload_checkpoints": False, "turbo_tiled_mlp": False},
     "turbo": {"turbo_liger_layers": False},  # every other default; Liger's share is measured by turbo-liger
-    "turbo-liger": {"turbo_liger_layers": True},  # last: Liger's layers stay installed on the shared model
+    "turbo-liger": {"turbo_liger_layers": True},
 }
 VARIANTS = tuple(VARIANT_CONFIG)
 

@@ -76,6 +76,20 @@ def original(owner: Any, name: str) -> Any:
     return getattr(owner, name)
 
 
+def restore_attr(owner: Any, name: str) -> bool:
+    """Put back what was at `owner.name` before trl_turbo patched it and forget the patch; False if not patched."""
+    with lock:
+        for index, record in enumerate(_records):
+            if record.owner is owner and record.name == name:
+                del _records[index]
+                if record.original is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, record.original)
+                return True
+    return False
+
+
 def restore_all() -> None:
     with lock:
         while _restore_callbacks:

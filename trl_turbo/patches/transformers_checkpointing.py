@@ -165,6 +165,24 @@ def _wrap_enable_input_require_grads(original):
     return enable_input_require_grads
 
 
+def detach_model(model: torch.nn.Module) -> None:
+    """Undo every trl_turbo installation on `model`: its layers' checkpoint functions (back to transformers'), the
+    runtime, and the module forwards of tiled MLPs, lean or Liger norms and Liger MLPs. A trainer built on a model an
+    earlier trainer configured starts from here, so it gets exactly what its own config asks for."""
+    from ..ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
+
+    for layer in _checkpointed_layers(model):
+        original = layer.__dict__.pop("_trl_turbo_original_checkpoint", None)
+        if original is not None:
+            layer._gradient_checkpointing_func = original
+    model.__dict__.pop("_trl_turbo_checkpointing", None)
+    _configured.discard(model)
+    ours = (TiledMLPForward, LeanRMSNormForward, LigerRMSNormForward, LigerSwiGLUForward)
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), ours):
+            registry.restore_attr(module, "forward")
+
+
 def _detach_all_models() -> None:
     """On unpatch: configured models go back to the checkpoint function transformers gave them."""
     for model in list(_configured):

@@ -18,6 +18,7 @@ from ..distributed import CHECKPOINTING_FEATURES, local_process_count, unsupport
 from ..offload import CheckpointOffloader
 from .transformers_checkpointing import (
     CheckpointingRuntime,
+    detach_model,
     install_lean_norms,
     install_liger_layers,
     install_runtime,
@@ -56,6 +57,7 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     checkpointing runtime, None when checkpointing is off or neither offload nor tiling is wanted."""
     args = trainer.args
     model = _base_model(trainer.model)
+    detach_model(model)  # what an earlier trainer on this model installed: this one installs what its config asks
     if liger_layers_enabled(args):
         install_liger_layers(model)  # its norms save as little as the lean ones: they take their place
     elif getattr(args, "turbo_lean_norms", False):

@@ -57,7 +57,8 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     checkpointing runtime, None when checkpointing is off or neither offload nor tiling is wanted."""
     args = trainer.args
     model = _base_model(trainer.model)
-    detach_model(model)  # what an earlier trainer on this model installed: this one installs what its config asks
+    if model is not None:  # what an earlier trainer on this model installed: this one installs what its config asks
+        detach_model(model)
     if liger_layers_enabled(args):
         install_liger_layers(model)  # its norms save as little as the lean ones: they take their place
     elif getattr(args, "turbo_lean_norms", False):

@@ -234,11 +234,8 @@ def validate(args: Any) -> None:
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
     _check_memory_features_strategy(args)
     _validate_vllm(args)
-    if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig" and args.loss_type not in LOSS_TYPES:
-        raise ValueError(
-            f"Unknown `loss_type={args.loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "
-            "Pick one of these, or set `turbo_fused_loss=False` to hand the value to stock TRL."
-        )
+    if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig":
+        check_loss_type_known(args.loss_type)
     _check_vespo_is_mode(args)
     turbo_only = turbo_loss_settings(args)
     if turbo_only and not args.turbo_fused_loss:
@@ -262,6 +259,15 @@ def validate(args: Any) -> None:
     if args.turbo_fused_loss:
         validate_loss_options(args)
         _check_loss_type_settings(args)
+
+
+def check_loss_type_known(loss_type: str) -> None:
+    """Raise for a `loss_type` trl_turbo's fused loss does not implement."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"Unknown `loss_type={loss_type!r}`. trl_turbo's fused loss supports: {', '.join(LOSS_TYPES)}. "
+            "Pick one of these, or set `turbo_fused_loss=False` to hand the value to stock TRL."
+        )
 
 
 def turbo_loss_settings(args: Any, *, with_loss_type: bool = True) -> list[str]:

@@ -186,12 +186,7 @@ def detach_model(model: torch.nn.Module) -> None:
 def _detach_all_models() -> None:
     """On unpatch: configured models go back to the checkpoint function transformers gave them."""
     for model in list(_configured):
-        for layer in _checkpointed_layers(model):
-            original = layer.__dict__.pop("_trl_turbo_original_checkpoint", None)
-            if original is not None:
-                layer._gradient_checkpointing_func = original
-        model.__dict__.pop("_trl_turbo_checkpointing", None)
-    _configured.clear()
+        detach_model(model)
 
 
 def apply() -> None:

@@ -184,7 +184,7 @@ def check_loss_owner(trainer_cls: type, config: Any) -> None:
     `super()`."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    from ..config import turbo_loss_settings
+    from ..config import check_loss_type_known, turbo_loss_settings
 
     if config is None or not getattr(config, "turbo_fused_loss", False):
         return  # the config's own validation refused trl_turbo-only settings
@@ -193,12 +193,8 @@ def check_loss_owner(trainer_cls: type, config: Any) -> None:
 
     owner = owner_of("_compute_loss")
     if owner is GRPOTrainer:  # its `_compute_loss` is trl_turbo's
-        if config.loss_type not in losses.LOSS_TYPES and owner_of("compute_loss") is GRPOTrainer:
-            raise ValueError(
-                f"Unknown `loss_type={config.loss_type!r}`. trl_turbo's fused loss supports: "
-                f"{', '.join(losses.LOSS_TYPES)}. Pick one of these, or set `turbo_fused_loss=False` to hand the "
-                "value to stock TRL."
-            )
+        if owner_of("compute_loss") is GRPOTrainer:
+            check_loss_type_known(config.loss_type)
         return
     # `loss_type` is not among them: TRL's own trainers with their own loss do not read it
     ignored = turbo_loss_settings(config, with_loss_type=False) if owner.__module__.split(".")[0] == "trl" else []

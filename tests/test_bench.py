@@ -223,10 +223,27 @@ def test_e2e_results_summary_plot_and_table(tmp_path):
     assert "| 8 | 64 | 4096 | 58.00 | 29.00 | 0.50× | 30.00 | 20.00 | 0.67× |" in table
 
 
+def test_e2e_presets_and_overrides():
+    import argparse
+
+    def workload(*argv):
+        parser = argparse.ArgumentParser()
+        e2e.add_parser(parser.add_subparsers())
+        return e2e.resolve_workload(parser.parse_args(["e2e", "--shape", "tiny", *argv]))
+
+    assert workload() == {"prompts": 1, "generations": 8, "completion_len": 4096, "micro_batch": 8}
+    assert workload("--preset", "realistic") == {"prompts": 8, "generations": 8, "completion_len": 2048,
+                                                 "micro_batch": 16}
+    assert workload("--preset", "realistic", "--completion-len", "512")["completion_len"] == 512
+    with pytest.raises(SystemExit, match="must divide"):
+        workload("--preset", "realistic", "--micro-batch", "24")
+
+
 def test_e2e_child_failure_becomes_a_row(tmp_path):
     # On this machine the child cannot start vLLM (no GPU or no vLLM): the driver records why instead of raising
     spec = {"variant": "stock", "shape": "tiny", "checkpoint": str(tmp_path / "missing"), "output_dir": str(tmp_path),
-            "generations": 2, "prompt_len": 4, "completion_len": 4, "steps": 1, "warmup": 0, "seed": 0,
+            "generations": 2, "prompts": 1, "micro_batch": 2, "prompt_len": 4, "completion_len": 4, "steps": 1,
+            "warmup": 0, "seed": 0,
             "quantization": "none", "launch": e2e.SINGLE_GPU, "processes": 1}
     row = e2e._run_child(spec, timeout_s=300)
     assert row["variant"] == "stock" and row["ok"] is False and row["error"]

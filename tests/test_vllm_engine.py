@@ -23,8 +23,10 @@ def run(tmp_path_factory):
 
     trainer = vllm_checks.build_trainer("llama", tmp_path_factory.mktemp("tiny-llama"), steps=STEPS,
                                         completion_cap=CAP)
-    result = {"trainer": trainer, "copies": vllm_checks.weight_copies(trainer)}
+    result = {"trainer": trainer, "copies": vllm_checks.weight_copies(trainer),
+              "sampling": vllm_checks.sampling_mode(trainer)}
     vllm_checks.randomize_adapter(trainer.model)
+    before = vllm_checks.frozen_snapshot(trainer)
     result["gaps_before"] = vllm_checks.logprob_gaps(trainer)
     used = []
 
@@ -37,8 +39,33 @@ def run(tmp_path_factory):
     trainer.train()
     result["used"] = used
     result["gaps_after"] = vllm_checks.logprob_gaps(trainer)
+    result["changed_after_training"] = vllm_checks.changed_matrices(trainer, before)
+    generation = trainer.vllm_generation
+
+    def failing_generate(*args, **kwargs):
+        raise RuntimeError("injected failure inside vLLM's generate")
+
+    generation.llm.generate = failing_generate
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            generation.generate(prompts=[[5, 6, 7]], images=None, num_generations=2)
+    finally:
+        del generation.llm.generate
+    result["changed_after_failure"] = vllm_checks.changed_matrices(trainer, before)
+    result["merged_after_failure"] = generation._trl_turbo_engine.merged.merged
+    result["gaps_after_failure"] = vllm_checks.logprob_gaps(trainer)
     print({k: v for k, v in result.items() if k.startswith("gaps")})
     return result
+
+
+def test_merged_sampling_never_changes_the_base_weights(run):
+    assert run["sampling"] == "merged"  # the default for a 16-bit model: vLLM's plain layers, no LoRA slots
+    assert run["changed_after_training"] == []  # bit for bit after 50 merge/restore cycles
+    assert run["changed_after_failure"] == [] and not run["merged_after_failure"]  # a generation that raised
+    adapter_gap, base_gap = run["gaps_after_failure"]  # and the engine samples from the live adapter again
+    assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap
+    logs = [log for log in run["trainer"].state.log_history if "vllm/merge_s" in log]
+    assert len(logs) == STEPS and all(log["vllm/restore_gib"] > 0 and log["vllm/restore_s"] > 0 for log in logs)
 
 
 def test_base_weights_exist_once(run):

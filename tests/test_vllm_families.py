@@ -33,11 +33,11 @@ COPY_CASES = [("llama", "int8"), ("llama", "nf4-bf16storage"), ("phi3", None)]
 ADAPTER_GAP_BOUND = {"int8": 0.1}
 
 
-def _checks(arch, quantization, tmp_path):
+def _checks(arch, quantization, tmp_path, sampling="auto"):
     # An engine of this process (test_vllm_engine.py) left TRL's MASTER_PORT etc. in os.environ
-    command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path)]
-    process = subprocess.run(command + ([quantization] if quantization else []), capture_output=True, text=True,
-                             timeout=600, env=fresh_rendezvous_env())
+    command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path), quantization or "none",
+               sampling]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
@@ -51,15 +51,26 @@ def test_family_shares_weights_and_samples_from_the_adapter(arch, quantization, 
     expected = {"frozen_matrices": 2 * 7 + (1 if arch in TIED else 2), "second_copies": []}
     assert result["copies_before"] == expected and result["copies_after"] == expected
     assert result["four_bit_matrices"] == (2 * 7 if quantization else 0)  # the projections; embedding, head 16-bit
+    assert result["sampling"] == ("lora" if quantization else "merged")  # auto: merged wherever it can serve
+    assert result["changed_base_matrices"] == []  # bit for bit, after merges and restores around every generation
     for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
         assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
     assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5
+
+
+def test_lora_sampling_from_shared_16bit_weights(tmp_path):
+    result = _checks("llama", None, tmp_path, sampling="lora")
+    assert result["sampling"] == "lora" and result["copies_after"]["second_copies"] == []
+    for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
+        assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
+    assert result["changed_base_matrices"] == []
 
 
 @pytest.mark.parametrize(("arch", "quantization"), COPY_CASES, ids=[f"{a}-{q or 'bf16'}" for a, q in COPY_CASES])
 def test_family_without_a_shared_layout_samples_from_a_separate_copy(arch, quantization, tmp_path):
     result = _checks(arch, quantization, tmp_path)
     assert result["separate_copy"] and result["fallback_warnings"] == 1  # named once, at config time
+    assert result["sampling"] == "lora"
     for copies in (result["copies_before"], result["copies_after"]):  # no training tensor lives in vLLM's
         assert copies["frozen_matrices"] > 0 and len(copies["second_copies"]) == copies["frozen_matrices"]
     # vLLM's rows hold each frozen matrix's dequantized training values, before and after training

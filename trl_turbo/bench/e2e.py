@@ -42,7 +42,14 @@ from .shapes import QUANTIZATIONS, SHAPES, build_config
 # shared-weight engine with KV standby.
 VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {"vllm_enable_sleep_mode": True},
-    "turbo": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True},
+    "turbo": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True},  # merged sampling (the default)
+    "turbo-lora": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "lora"},
+}
+# Named workloads: `anchor` is the shape every earlier e2e file measured (one prompt's group per step); `realistic`
+# is a GRPO batch as users run it: 8 prompts x 8 generations of 2048 tokens per step, trained in micro-batches of 16.
+PRESETS: dict[str, dict[str, int]] = {
+    "anchor": {"prompts": 1, "generations": 8, "completion_len": 4096, "micro_batch": 8},
+    "realistic": {"prompts": 8, "generations": 8, "completion_len": 2048, "micro_batch": 16},
 }
 VARIANTS = tuple(VARIANT_CONFIG)
 CHECKPOINT_MARKER = "trl_turbo_checkpoint.json"
@@ -220,12 +227,15 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.init()
     processes = int(os.environ.get("WORLD_SIZE", 1))
     row: dict[str, Any] = {"variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
-                           "launch": spec["launch"], "generations": spec["generations"],
+                           "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
+                           "micro_batch": spec["micro_batch"],
                            "prompt_len": spec["prompt_len"], "completion_len": spec["completion_len"], "ok": False,
                            "error": None, "rank": int(os.environ.get("RANK", 0)), "processes": processes}
+    per_step = spec["prompts"] * spec["generations"]  # completions generated (and trained on) per optimizer step
     config = GRPOConfig(
         output_dir=spec["output_dir"], seed=spec["seed"], bf16=True, beta=0.0, learning_rate=1e-5,
-        per_device_train_batch_size=spec["generations"], num_generations=spec["generations"],
+        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=per_step // spec["micro_batch"],
+        num_generations=spec["generations"],
         max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
         gradient_checkpointing=True, report_to="none", save_strategy="no",
         model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa",
@@ -236,7 +246,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         **VARIANT_CONFIG[variant],
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
-    dataset = Dataset.from_dict({"prompt": prompts(spec["steps"] * processes, spec["prompt_len"],
+    dataset = Dataset.from_dict({"prompt": prompts(spec["steps"] * processes * spec["prompts"], spec["prompt_len"],
                                                    tokenizer.vocab_size, spec["seed"])})
     steps: list[dict[str, Any]] = []
     trainer = None
@@ -253,6 +263,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["init_used_gib"] = sampler.used() / GIB
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
             row["liger_layers"] = variant != "stock" and liger_layers_enabled(trainer.args)  # resolved from auto
+            engine = getattr(trainer.vllm_generation, "_trl_turbo_engine", None)
+            row["sampling"] = (None if engine is None else "merged" if engine.merged is not None
+                               else "lora" if engine.adapters is not None else None)
             row.update(weight_accounting(trainer))
             row.update(cumem_pools())
 
@@ -403,13 +416,14 @@ def run(args: argparse.Namespace) -> Path:
         launch_command(launch, args.processes)  # an unknown launch fails before anything runs
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
+    workload = resolve_workload(args)
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}")
     start = time.perf_counter()
     prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda")
     torch.cuda.empty_cache()
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
-    config = {"shape": args.shape, "model_config": SHAPES[args.shape], "generations": args.generations,
-              "prompt_len": args.prompt_len, "completion_len": args.completion_len, "steps": args.steps,
+    config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
+              "prompt_len": args.prompt_len, "steps": args.steps,
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
               "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
@@ -418,11 +432,12 @@ def run(args: argparse.Namespace) -> Path:
               "variant_config": {v: VARIANT_CONFIG[v] for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
                                 "generation_kwargs": {"ignore_eos": True},
-                                "vllm_max_model_length": args.prompt_len + args.completion_len}}
+                                "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
     meta = metadata("e2e", device, config)
     quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     several = "" if launches == [SINGLE_GPU] else f"-{args.processes}gpu"
-    stem = f"e2e-{args.shape}{quantized}{several}-{time.strftime('%Y%m%d-%H%M%S')}"
+    preset = "" if args.preset == "anchor" else f"-{args.preset}"
+    stem = f"e2e-{args.shape}{preset}{quantized}{several}-{time.strftime('%Y%m%d-%H%M%S')}"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as output_dir:
         for launch in launches:
@@ -434,11 +449,23 @@ def run(args: argparse.Namespace) -> Path:
                 rows.append(row)
                 print(format_row(row), flush=True)
                 path = write_results(meta, rows, Path(args.out), stem)
-    meta["scaling"] = scaling(rows, args.completion_len)
+    meta["scaling"] = scaling(rows, workload["completion_len"])
     path = write_results(meta, rows, Path(args.out), stem)
     print(json.dumps(meta["scaling"], indent=1))
     print(f"wrote {path} (+ .png)")
     return path
+
+
+def resolve_workload(args: argparse.Namespace) -> dict[str, int]:
+    """The preset's prompts, generations, completion length and micro-batch, each overridden where given."""
+    workload = dict(PRESETS[args.preset])
+    for key in workload:
+        if getattr(args, key, None) is not None:
+            workload[key] = getattr(args, key)
+    if (workload["prompts"] * workload["generations"]) % workload["micro_batch"]:
+        raise SystemExit(f"--micro-batch {workload['micro_batch']} must divide the {workload['prompts']} x "
+                         f"{workload['generations']} completions of a step")
+    return workload
 
 
 def scaling(rows: list[dict[str, Any]], completion_len: int) -> dict[str, Any]:
@@ -450,11 +477,12 @@ def scaling(rows: list[dict[str, Any]], completion_len: int) -> dict[str, Any]:
         if not row.get("ok") or not row.get("step_s"):
             continue
         processes = row.get("processes", 1)
-        tokens = row["generations"] * processes * completion_len
+        per_step = row["generations"] * row.get("prompts", 1)
+        tokens = per_step * processes * completion_len
         entry = {"processes": processes, "completion_tokens_per_s": tokens / row["step_s"]}
         base = single.get(row["variant"])
         if base is not None and base is not row and base.get("step_s"):
-            ratio = entry["completion_tokens_per_s"] / (row["generations"] * completion_len / base["step_s"])
+            ratio = entry["completion_tokens_per_s"] / (per_step * completion_len / base["step_s"])
             entry.update({"throughput_vs_1gpu": ratio, "scaling_efficiency": ratio / processes})
         out[f"{row['launch']}/{row['variant']}"] = entry
     return out
@@ -528,9 +556,15 @@ def format_row(row: dict[str, Any]) -> str:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("e2e", help="whole GRPO steps with colocated vLLM: stock TRL vs trl_turbo")
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
-    parser.add_argument("--generations", type=int, default=8, help="completions per step (one prompt)")
+    parser.add_argument("--preset", default="anchor", choices=sorted(PRESETS),
+                        help="; ".join(f"{name}: {p['prompts']} prompt(s) x {p['generations']} generations x "
+                                       f"{p['completion_len']} tokens, micro-batch {p['micro_batch']}"
+                                       for name, p in PRESETS.items()))
+    parser.add_argument("--generations", type=int, default=None, help="completions per prompt (preset's if unset)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (preset's if unset)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (preset's if unset)")
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--completion-len", type=int, default=4096)
+    parser.add_argument("--completion-len", type=int, default=None, help="completion tokens (preset's if unset)")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")

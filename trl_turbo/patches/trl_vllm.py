@@ -14,9 +14,12 @@ Seams, all methods of `VLLMGeneration`:
   separate copy), TRL's bitsandbytes probe is switched off for the call: it would choose too, and refuses 8-bit
   models.
 - `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
-  also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors.
-- `generate`: the KV cache is mapped back before and released after TRL's generation, and TRL's `llm.generate`
-  call carries the adapter's `LoRARequest`.
+  also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors ("lora" sampling) or by nothing
+  ("merged" sampling merges at generation).
+- `generate`: the KV cache is mapped back before and released after TRL's generation. "merged" sampling
+  (`trl_turbo.vllm.merge`) merges the live adapter into the shared weights before and restores them bit-exactly
+  after, however the generation ends; "lora" sampling makes TRL's `llm.generate` call carry the adapter's
+  `LoRARequest`.
 Timings and memory go to the trainer's metrics under `vllm/`.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import time
 import warnings
@@ -34,6 +38,16 @@ import torch
 from ..config import TurboFields
 from ..vllm.adapter import adapter_config_dict, adapter_problems, adapter_tensors, lora_engine_kwargs
 from ..vllm.dequantized import copy_bytes
+from ..vllm.merge import (
+    LORA,
+    MERGED,
+    MergedSampling,
+    adapted_weight_bytes,
+    available_host_bytes,
+    choose_sampling,
+    host_copy_problem,
+    merge_problems,
+)
 from ..vllm.kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
@@ -144,7 +158,35 @@ def _sharing(generation: Any, config: Any) -> Sharing | None:
     return sharing
 
 
-def _engine_kwargs(generation: Any, config: Any, sharing: Sharing | None) -> dict[str, Any]:
+def _sampling(generation: Any, config: Any, sharing: Sharing | None) -> str | None:
+    """How an engine with shared weights (or a separate copy) samples from the adapter, decided once per engine:
+    "merged" where it can serve, else "lora" (with a warning naming why when "merged" was asked for)."""
+    if sharing is None:
+        return None
+    requested = _setting(config, "turbo_vllm_sampling")
+    model = generation.model
+    adapter = model.active_adapter
+    problems = []
+    if sharing.mode != SHARED:
+        problems.append("vLLM holds a separate copy of the base weights")
+    elif four_bit_weights(model):
+        problems.append("the base weights are bitsandbytes 4-bit, which cannot hold a merged adapter")
+    else:
+        problems += merge_problems(model, adapter)
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        host = host_copy_problem(adapted_weight_bytes(model, adapter), processes, available_host_bytes())
+        if host is not None:
+            problems.append(host)
+    mode = choose_sampling(requested, problems)
+    if requested == MERGED and mode != MERGED:
+        warnings.warn(f"trl_turbo: `turbo_vllm_sampling='merged'` cannot serve this run: {'; '.join(problems)}. vLLM "
+                      "samples through its LoRA layers instead (`turbo_vllm_sampling='lora'`, about 1.2x slower "
+                      "generation).", RuntimeWarning, stacklevel=3)
+    return mode
+
+
+def _engine_kwargs(generation: Any, config: Any, sharing: Sharing | None, sampling: str | None = None
+                   ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     dtype = vllm_dtype(generation)
     if dtype is not None:
@@ -155,7 +197,8 @@ def _engine_kwargs(generation: Any, config: Any, sharing: Sharing | None) -> dic
         kwargs["kv_cache_dtype"] = config.turbo_vllm_kv_cache_dtype
     if sharing is not None:
         peft_model = generation.model
-        kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
+        if sampling != MERGED:  # merged sampling runs vLLM's plain layers: no LoRA slots, no LoRA ops in its graphs
+            kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
         quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
         if sharing.mode == SHARED and four_bit_weights(peft_model):
             # vLLM's bitsandbytes loader takes the training model's 4-bit weights (`feeding_4bit_weights`); the HF
@@ -230,6 +273,7 @@ class _EngineState:
 
     def __init__(self) -> None:
         self.adapters: Any = None
+        self.merged: MergedSampling | None = None
         self.standby: Any = None
         self.lora_request: Any = None
         self.shared_bytes = 0
@@ -242,13 +286,14 @@ def _wrap_init_vllm(original):
     def _init_vllm(self):
         config = constructing_config()
         sharing = _sharing(self, config)
+        sampling = _sampling(self, config, sharing)
         parked = None
         if sharing is not None and sharing.mode == SHARED:
             from . import vllm_engine
 
             parked = vllm_engine.ParkedWeights(self.model)  # one copy on the device even while vLLM starts
         try:
-            kwargs = _engine_kwargs(self, config, sharing)
+            kwargs = _engine_kwargs(self, config, sharing, sampling)
             module = sys.modules[original.__module__]
             llm_cls = getattr(module, "LLM", None)
             if not kwargs or llm_cls is None:
@@ -265,7 +310,7 @@ def _wrap_init_vllm(original):
             with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
                 result = original(self)
             if sharing is not None or _setting(config, "turbo_vllm_standby"):
-                _start_engine_features(self, config, parked, sharing)
+                _start_engine_features(self, config, parked, sharing, sampling)
             return result
         finally:
             if parked is not None:
@@ -297,7 +342,8 @@ def _module_attributes(module: Any, attributes: dict[str, Any]):
             setattr(module, name, value)
 
 
-def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: Sharing | None) -> None:
+def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: Sharing | None,
+                           sampling: str | None) -> None:
     from . import vllm_engine
 
     state = _EngineState()
@@ -307,7 +353,11 @@ def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: S
                                                                 generation.accelerator.device)
         else:
             state.copy_bytes = vllm_engine.copy_base_weights(generation.llm, generation.model)
-        state.adapters = vllm_engine.TensorAdapters(generation.llm)
+        if sampling == MERGED:
+            model = generation.model
+            state.merged = MergedSampling(model, model.active_adapter)
+        else:
+            state.adapters = vllm_engine.TensorAdapters(generation.llm)
     if config.turbo_vllm_standby:
         state.standby = vllm_engine.KVStandby(generation.llm)
         state.standby.release()
@@ -320,7 +370,9 @@ def _wrap_sync_weights(original):
     def sync_weights(self):
         state = getattr(self, "_trl_turbo_engine", None)
         start = time.perf_counter()
-        if state is None or state.adapters is None:
+        if state is not None and state.merged is not None:
+            result = None  # the base is shared and never changes; the adapter is merged at each generation
+        elif state is None or state.adapters is None:
             result = original(self)
         else:
             model = self.model
@@ -343,23 +395,34 @@ def _wrap_generate(original):
             return original(self, *args, **kwargs)
         device = self.accelerator.device
         start = time.perf_counter()
-        if state.standby is not None:
-            # The KV cache maps fresh device memory: blocks torch's allocator still caches from training would
-            # stack on top of it, so they go back to the driver first (stock TRL's sync does the same).
-            torch.cuda.empty_cache()
-            state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB
-        llm_generate = self.llm.generate
-        if state.lora_request is not None:
-            self.llm.generate = functools.partial(llm_generate, lora_request=state.lora_request)
+        merged = state.merged
         try:
-            return original(self, *args, **kwargs)
-        finally:
-            if state.lora_request is not None:
-                del self.llm.generate  # back to the class's method
-            free, total = torch.cuda.mem_get_info(device)
-            state.metrics["vllm/generation_used_gib"] = (total - free) / _GIB
+            if state.standby is not None or merged is not None:
+                # The KV cache maps fresh device memory and the merge needs scratch: blocks torch's allocator still
+                # caches from training go back to the driver first (stock TRL's sync does the same).
+                torch.cuda.empty_cache()
+            if merged is not None:
+                merged.merge()  # before the KV cache is mapped: its fp32 scratch is freed by then
+                torch.cuda.empty_cache()
+                if state.standby is None:
+                    self.llm.reset_prefix_cache()  # cached blocks were computed with other weights
             if state.standby is not None:
-                state.metrics["vllm/kv_released_gib"] = state.standby.release() / _GIB
+                state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB  # also resets the prefix cache
+            with_adapter = state.lora_request is not None and merged is None
+            if with_adapter:
+                self.llm.generate = functools.partial(self.llm.generate, lora_request=state.lora_request)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if with_adapter:
+                    del self.llm.generate  # back to the class's method
+                free, total = torch.cuda.mem_get_info(device)
+                state.metrics["vllm/generation_used_gib"] = (total - free) / _GIB
+                if state.standby is not None:
+                    state.metrics["vllm/kv_released_gib"] = state.standby.release() / _GIB
+        finally:
+            if merged is not None:
+                merged.restore()  # first thing after vLLM is done with the weights, on every way out
             state.metrics["vllm/generation_s"] = time.perf_counter() - start
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -372,6 +435,9 @@ def drain_metrics(generation: Any) -> dict[str, float]:
     if state is None:
         return {}
     metrics, state.metrics = state.metrics, {}
+    if state.merged is not None:
+        metrics.update(state.merged.take_metrics())
+        metrics["vllm/merged_host_copy_gib"] = state.merged.host_bytes / _GIB
     if state.shared_bytes:
         metrics["vllm/shared_weights_gib"] = state.shared_bytes / _GIB
     if state.copy_bytes:

@@ -90,16 +90,22 @@ def logprob_gaps(trainer: Any, prompts: int = 8, tokens: int = 8) -> tuple[float
     against HF without it."""
     from vllm import SamplingParams
 
+    import contextlib
+
     generation = trainer.vllm_generation
     state = generation._trl_turbo_engine
     generation.sync_weights()
-    state.standby.restore()
     token_ids = [[3 + (7 * i + j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
-    outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
-                                      SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0, ignore_eos=True,
-                                                     seed=0),
-                                      lora_request=state.lora_request, use_tqdm=False)
-    state.standby.release()
+    # merged sampling: the adapter is in vLLM's weights for this block only
+    with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
+        state.standby.restore()
+        generation.llm.reset_prefix_cache()
+        outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
+                                          SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
+                                                         ignore_eos=True, seed=0),
+                                          lora_request=None if state.merged is not None else state.lora_request,
+                                          use_tqdm=False)
+        state.standby.release()
     model = trainer.model
     model.eval()
     gaps: dict[str, list[torch.Tensor]] = {"adapter": [], "base": []}
@@ -169,7 +175,33 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quanti
     )
 
 
-def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None = None) -> dict[str, Any]:
+def sampling_mode(trainer: Any) -> str:
+    """The sampling mode the trainer's engine chose, and that vLLM's model has LoRA layers exactly when it is "lora"."""
+    from trl_turbo.patches.vllm_engine import driver_model
+
+    state = trainer.vllm_generation._trl_turbo_engine
+    mode = "merged" if state.merged is not None else "lora"
+    lora_layers = any(".base_layer." in name for name, _ in driver_model(trainer.vllm_generation.llm).named_parameters())
+    if lora_layers != (mode == "lora"):
+        raise AssertionError(f"{mode} sampling, but vLLM's model {'has' if lora_layers else 'has no'} LoRA layers")
+    return mode
+
+
+def frozen_snapshot(trainer: Any) -> dict[str, torch.Tensor]:
+    """The frozen base matrices, copied to the host (bit patterns)."""
+    return {name: weight.detach().cpu().clone() for name, weight in _frozen(trainer).items()}
+
+
+def changed_matrices(trainer: Any, snapshot: dict[str, torch.Tensor]) -> list[str]:
+    """The frozen matrices whose bits differ from `snapshot`."""
+    torch.cuda.synchronize()
+    now = _frozen(trainer)
+    return sorted(name for name, weight in snapshot.items()
+                  if not torch.equal(now[name].detach().cpu().view(torch.uint8), weight.view(torch.uint8)))
+
+
+def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None = None,
+                 sampling: str = "auto") -> dict[str, Any]:
     """One copy of the base weights (or, where vLLM cannot share them, a separate copy holding the training
     model's dequantized values), samples from the live adapter before and after training steps."""
     import functools
@@ -180,7 +212,8 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization)
+        trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization,
+                                turbo_vllm_sampling=sampling)
     # DeepSpeed places the model on the device only when training starts; the checks before it need it there now
     trainer.model.to(trainer.accelerator.device)
     randomize_adapter(trainer.model)
@@ -190,9 +223,12 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
                               "fallback_warnings": sum("separate 16-bit copy" in str(w.message) for w in caught),
                               "copies_before": weight_copies(trainer)}
     result["copy_mismatches_before"] = copy_mismatches(llm, trainer.model) if separate else None
+    result["sampling"] = sampling_mode(trainer)
+    before = frozen_snapshot(trainer)
     result["gaps_before"] = logprob_gaps(trainer)
     trainer.train()
     result["gaps_after"] = logprob_gaps(trainer)
+    result["changed_base_matrices"] = changed_matrices(trainer, before)
     result["copies_after"] = weight_copies(trainer)
     result["copy_mismatches_after"] = copy_mismatches(llm, trainer.model) if separate else None
     result["four_bit_matrices"] = sum(is_packed_4bit(w) for w in _frozen(trainer).values())
@@ -208,7 +244,9 @@ if __name__ == "__main__":
     # Under `accelerate launch`, every rank checks its own engine, with its own copy of the model files.
     rank = int(os.environ.get("RANK", 0))
     workdir = Path(sys.argv[2]) / f"rank{rank}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else Path(sys.argv[2])
-    result = {"rank": rank, **check_family(sys.argv[1], workdir, quantization=(sys.argv[3:] or [None])[0])}
+    quantization = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "none" else None
+    sampling = sys.argv[4] if len(sys.argv) > 4 else "auto"
+    result = {"rank": rank, **check_family(sys.argv[1], workdir, quantization=quantization, sampling=sampling)}
     print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
 

@@ -1,0 +1,260 @@
+"""Sampling at merged-weight speed from the one shared copy: the live adapter is merged into the shared base weights
+for one generation, and the base weights are restored bit-exactly before anything else reads them.
+
+Design decisions:
+- Merge: W <- round(W + scaling * B @ A), the sum accumulated in fp32 and rounded once to W's dtype, a block of
+  output rows at a time (bounded fp32 scratch). Each HF weight is a view of its rows in vLLM's tensor, so merging
+  through the HF module lands on the right slice of vLLM's fused q/k/v and gate/up tensors by construction.
+- Restore: from a host copy of the adapted base matrices taken once (the base never changes), copied back with
+  non-blocking copies on the current stream. Restoring by subtraction, W' - scaling * B @ A rounded again, is not an
+  inverse in 16-bit floats: when W and W' sit in different binades the subtraction lands one ulp off (a few percent
+  of elements per merge, compounding every step). An exact device-side correction needs a per-element record of at
+  least a byte, which is the device memory the shared copy exists to save. The host copy costs no device memory,
+  is exact by construction, and its copy (PCIe, tens of GB/s) is a few percent of a generation; being enqueued on
+  the current stream, it orders before every later kernel that reads the weights (the training forward, a save's
+  device-to-host copy), while the host goes on with decoding and reward scoring. Host memory is 2 bytes per adapted
+  base parameter per process; `host_copy_problem` refuses the mode (the engine falls back to LoRA sampling) when
+  the host cannot hold one per process next to the checkpoint offload.
+- Safety: `merged` is set before the first byte changes and cleared only after every restore copy is enqueued; a
+  forward pre-hook and a state-dict pre-hook on the training model restore the weights should anything ever reach
+  the model while merged (an interrupted restore, a caller outside the engine's own `try/finally`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..offload.pinned_pool import HostBlocks, PinnedPool
+
+# fp32 scratch of one merge block: rows * in_features * 4 bytes stays under this
+_MERGE_BLOCK_BYTES = 64 << 20
+
+
+@dataclass(eq=False)
+class LoraTarget:
+    """One adapted Linear layer: its frozen base weight (a view of the engine's tensor) and its live LoRA factors."""
+
+    name: str
+    layer: Any  # a PEFT LoRA Linear
+    adapter: str
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.layer.get_base_layer().weight
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(B [out, r], A [r, in], scaling)."""
+        layer = self.layer
+        return layer.lora_B[self.adapter].weight, layer.lora_A[self.adapter].weight, float(layer.scaling[self.adapter])
+
+
+def lora_targets(peft_model: Any, adapter: str) -> list[LoraTarget]:
+    """The adapted layers of `peft_model` for `adapter`, each once."""
+    from peft.tuners.lora import LoraLayer
+
+    targets = []
+    for name, module in peft_model.named_modules():
+        adapted = adapter in getattr(module, "lora_A", {}) or adapter in getattr(module, "lora_embedding_A", {})
+        if isinstance(module, LoraLayer) and adapted:
+            targets.append(LoraTarget(name, module, adapter))
+    return targets
+
+
+def merge_problems(peft_model: Any, adapter: str) -> list[str]:
+    """Why the adapter cannot be merged into shared weights for sampling (empty: it can)."""
+    from peft.tuners.lora import LoraLayer
+
+    problems = []
+    targets = lora_targets(peft_model, adapter)
+    holders: dict[tuple[int, int], list[str]] = {}  # (storage, byte offset) -> modules whose weight starts there
+    for name, module in peft_model.named_modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if isinstance(weight, torch.Tensor) and not isinstance(module, LoraLayer):
+            holders.setdefault(_address(weight), []).append(name)
+    for target in targets:
+        if adapter in getattr(target.layer, "lora_embedding_A", {}):
+            problems.append(f"{target.name} is an adapted embedding; only linear layers are merged")
+            continue
+        if not isinstance(target.layer.get_base_layer(), torch.nn.Linear):
+            problems.append(f"{target.name} is a {type(target.layer.get_base_layer()).__name__}, not a Linear layer")
+            continue
+        if getattr(target.layer, "merged_adapters", None):
+            problems.append(f"{target.name} already has adapters merged by PEFT ({target.layer.merged_adapters})")
+        weight = target.weight
+        if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            problems.append(f"{target.name}'s base weight is {weight.dtype}, not a floating-point matrix")
+        sharing = holders.get(_address(weight), [])
+        if len(sharing) > 1:  # the same weight serves another module (tied embeddings)
+            problems.append(f"{target.name}'s weight is tied to {', '.join(sharing)}; merging would change all of "
+                            "them")
+    return problems
+
+
+def _address(tensor: torch.Tensor) -> tuple[int, int]:
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset() * tensor.element_size()
+
+    return problems
+
+
+@torch.no_grad()
+def merge_into(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: float) -> None:
+    """weight <- round(weight + scaling * b @ a), accumulated in fp32 and rounded once (in place)."""
+    rows = max(1, _MERGE_BLOCK_BYTES // (4 * max(1, weight.shape[1])))
+    a32 = a.to(device=weight.device, dtype=torch.float32)
+    for start in range(0, weight.shape[0], rows):
+        block = weight[start : start + rows]
+        delta = b[start : start + rows].to(device=weight.device, dtype=torch.float32) @ a32
+        block.copy_(torch.add(block.float(), delta, alpha=scaling))
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class MergedSampling:
+    """The adapter merged into the shared base weights for the length of a `sampling()` block, restored bit-exactly
+    from a host copy however the block ends."""
+
+    def __init__(self, peft_model: Any, adapter: str, *, pin: bool | None = None) -> None:
+        problems = merge_problems(peft_model, adapter)
+        if problems:
+            raise ValueError(f"trl_turbo: the adapter cannot be merged for sampling: {'; '.join(problems)}")
+        self.targets = lora_targets(peft_model, adapter)
+        for target in self.targets:
+            if not target.weight.is_contiguous():
+                raise ValueError(f"trl_turbo: {target.name}'s base weight is not contiguous; it cannot be merged in "
+                                 "place")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self._pool = PinnedPool(budget_bytes=2**62, pin=pin)
+        self._host: list[HostBlocks] = []
+        for target in self.targets:
+            flat = _flat_bytes(target.weight)
+            blocks = self._pool.acquire(flat.numel())
+            blocks.store(flat, non_blocking=False)
+            self._host.append(blocks)
+        self.host_bytes = self._pool.allocated_bytes
+        self.weight_bytes = sum(t.weight.numel() * t.weight.element_size() for t in self.targets)
+        self.merged = False
+        self.metrics: dict[str, float] = {}
+        self._restore_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._hooks = []
+        base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+        self._hooks.append(base.register_forward_pre_hook(lambda *_: self.ensure_restored()))
+        self._hooks.append(base.register_state_dict_pre_hook(lambda *_, **__: self.ensure_restored()))
+
+    def merge(self) -> None:
+        """Merge the live adapter into every adapted base weight (synchronised, so `merge_s` is what it took)."""
+        if self.merged:
+            raise RuntimeError("trl_turbo: the adapter is already merged into the shared weights")
+        start = time.perf_counter()
+        self.merged = True  # from here on a restore is owed, even if the merge stops half-way
+        for target in self.targets:
+            b, a, scaling = target.factors()
+            merge_into(target.weight, b, a, scaling)
+        _synchronize(self.targets)
+        self.metrics["vllm/merge_s"] = time.perf_counter() - start
+
+    def restore(self) -> None:
+        """Copy the base weights back from the host copy (enqueued on the current stream; later kernels see them)."""
+        if not self.merged:
+            return
+        timed = self.targets and self.targets[0].weight.is_cuda
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else None
+        if events:
+            events[0].record()
+        for target, blocks in zip(self.targets, self._host):
+            blocks.load(_flat_bytes(target.weight), non_blocking=True)
+        self.merged = False
+        if events:
+            events[1].record()
+        self._restore_events = events
+        self.metrics["vllm/restore_gib"] = self.weight_bytes / 2**30
+
+    def take_metrics(self) -> dict[str, float]:
+        """Merge time, restore copy time (from CUDA events; waits for the copy) and bytes since the last call."""
+        metrics, self.metrics = self.metrics, {}
+        events, self._restore_events = self._restore_events, None
+        if events is not None:
+            events[1].synchronize()
+            metrics["vllm/restore_s"] = events[0].elapsed_time(events[1]) / 1000
+        return metrics
+
+    def ensure_restored(self) -> None:
+        if self.merged:
+            self.restore()
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Merged inside the block; restored on every way out (return, exception, KeyboardInterrupt)."""
+        try:
+            self.merge()
+            yield
+        finally:
+            self.restore()
+
+    def close(self) -> None:
+        """Restore if needed, remove the hooks and free the host copy."""
+        self.ensure_restored()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host copy must outlive the restore copies reading it
+        for blocks in self._host:
+            self._pool.release(blocks)
+        self._host.clear()
+        self._pool.close()
+
+
+def _synchronize(targets: list[LoraTarget]) -> None:
+    devices = {t.weight.device for t in targets if t.weight.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+MERGED = "merged"
+LORA = "lora"
+
+
+def choose_sampling(requested: str, problems: list[str]) -> str:
+    """The sampling mode of an engine with shared weights: "merged" where nothing stands against merging (`problems`,
+    from `merge_problems`, `host_copy_problem` and the weights' storage), else "lora"."""
+    if requested == LORA or problems:
+        return LORA
+    return MERGED
+
+
+def host_copy_problem(weight_bytes: int, processes_on_host: int, available_bytes: int | None) -> str | None:
+    """Why a host copy of `weight_bytes` per process does not fit the host (None: it fits). The copies may take at
+    most half of the memory available now, leaving the rest to checkpoint offload and the data pipeline."""
+    if available_bytes is None:
+        return None
+    needed = weight_bytes * processes_on_host
+    if needed > available_bytes // 2:
+        return (f"restoring the base weights bit-exactly after each merged generation needs a host copy of the "
+                f"adapted matrices, {weight_bytes / 2**30:.1f} GiB per process x {processes_on_host} processes = "
+                f"{needed / 2**30:.1f} GiB, over half of the {available_bytes / 2**30:.1f} GiB of host memory "
+                "available")
+    return None
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def adapted_weight_bytes(peft_model: Any, adapter: str) -> int:
+    return sum(t.weight.numel() * t.weight.element_size() for t in lora_targets(peft_model, adapter))

@@ -5,6 +5,7 @@ learning on a verifiable toy task with vLLM sampling."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -36,7 +37,10 @@ def run(tmp_path_factory):
             used.append(total - free)
 
     trainer.add_callback(Record())
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    result["rollout_alarms"] = vllm_checks.rollout_alarms(caught)
     result["used"] = used
     result["gaps_after"] = vllm_checks.logprob_gaps(trainer)
     result["changed_after_training"] = vllm_checks.changed_matrices(trainer, before)
@@ -61,6 +65,7 @@ def run(tmp_path_factory):
 def test_merged_sampling_never_changes_the_base_weights(run):
     assert run["sampling"] == "merged"  # the default for a 16-bit model: vLLM's plain layers, no LoRA slots
     assert run["changed_after_training"] == []  # bit for bit after 50 merge/restore cycles
+    assert run["rollout_alarms"] == 0  # 50 healthy steps never trip the rollout alarm
     assert run["changed_after_failure"] == [] and not run["merged_after_failure"]  # a generation that raised
     adapter_gap, base_gap = run["gaps_after_failure"]  # and the engine samples from the live adapter again
     assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap

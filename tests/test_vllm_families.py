@@ -33,10 +33,10 @@ COPY_CASES = [("llama", "int8"), ("llama", "nf4-bf16storage"), ("phi3", None)]
 ADAPTER_GAP_BOUND = {"int8": 0.1}
 
 
-def _checks(arch, quantization, tmp_path, sampling="auto"):
+def _checks(arch, quantization, tmp_path, sampling="auto", *extra):
     # An engine of this process (test_vllm_engine.py) left TRL's MASTER_PORT etc. in os.environ
     command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path), quantization or "none",
-               sampling]
+               sampling, *extra]
     process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
@@ -53,6 +53,7 @@ def test_family_shares_weights_and_samples_from_the_adapter(arch, quantization, 
     assert result["four_bit_matrices"] == (2 * 7 if quantization else 0)  # the projections; embedding, head 16-bit
     assert result["sampling"] == ("lora" if quantization else "merged")  # auto: merged wherever it can serve
     assert result["changed_base_matrices"] == []  # bit for bit, after merges and restores around every generation
+    assert result["rollout_alarms"] == 0  # a healthy run never trips the alarm
     for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
         assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
     assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5
@@ -61,9 +62,17 @@ def test_family_shares_weights_and_samples_from_the_adapter(arch, quantization, 
 def test_lora_sampling_from_shared_16bit_weights(tmp_path):
     result = _checks("llama", None, tmp_path, sampling="lora")
     assert result["sampling"] == "lora" and result["copies_after"]["second_copies"] == []
+    assert result["rollout_alarms"] == 0
     for adapter_gap, base_gap in (result["gaps_before"], result["gaps_after"]):
         assert adapter_gap < 0.05 and base_gap > 4 * adapter_gap, (adapter_gap, base_gap)
     assert result["changed_base_matrices"] == []
+
+
+@pytest.mark.parametrize("sampling", ["merged", "lora"])
+def test_rollout_alarm_trips_when_the_adapter_never_reaches_vllm(sampling, tmp_path):
+    result = _checks("llama", None, tmp_path, sampling, "stale")
+    assert result["sampling"] == sampling
+    assert result["alarms"] == 1 and result["tripped_at_step"] is not None and result["tripped_at_step"] <= 8, result
 
 
 @pytest.mark.parametrize(("arch", "quantization"), COPY_CASES, ids=[f"{a}-{q or 'bf16'}" for a, q in COPY_CASES])

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .grpo.rollout_check import ROLLOUT_CHECK_MODES
 from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec, validate_loss_options
 
 # Model types whose vLLM implementation stores each HF weight as rows of one tensor (checked again at run time);
@@ -197,6 +198,16 @@ class TurboFields:
             "host's available memory (over all processes of the host), else 'lora'. Asking for 'merged' where it "
             "cannot serve (4-bit or separately copied weights, adapted embeddings or tied layers, host memory) "
             "samples with 'lora' and warns with the reason."
+        },
+    )
+    turbo_rollout_check: str = field(
+        default="warn",
+        metadata={
+            "help": "Rollout sanity alarm, with use_vllm and vllm_importance_sampling_correction (which make TRL "
+            "compute the sampler/trainer log-prob gap): when the mean gap per token stays above max(4x, +0.02 nats) "
+            "the gap of the first two steps for two steps in a row, vLLM is sampling from other weights than the "
+            "policy being trained (a stale or missing adapter, unrestored weights). 'warn' (default): one warning "
+            "naming the figures; 'error': raise, stopping the run; 'off'."
         },
     )
     turbo_vllm_standby: bool = field(
@@ -394,6 +405,9 @@ def _validate_vllm(args: Any) -> None:
     if args.turbo_vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
         raise ValueError(f"`turbo_vllm_kv_cache_dtype={args.turbo_vllm_kv_cache_dtype!r}` is not one of "
                          f"{', '.join(VLLM_KV_CACHE_DTYPES)}.")
+    if args.turbo_rollout_check not in ROLLOUT_CHECK_MODES:
+        raise ValueError(f"`turbo_rollout_check={args.turbo_rollout_check!r}` is not one of "
+                         f"{', '.join(ROLLOUT_CHECK_MODES)}.")
     if args.turbo_vllm_sampling not in VLLM_SAMPLING_MODES:
         raise ValueError(f"`turbo_vllm_sampling={args.turbo_vllm_sampling!r}` is not one of "
                          f"{', '.join(VLLM_SAMPLING_MODES)}.")

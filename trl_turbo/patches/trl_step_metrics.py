@@ -5,16 +5,23 @@ and the colocated vLLM engine's timings go into TRL's `_metrics["train"]`, which
 interval. Each value is first all-gathered over the ranks, as TRL's own metrics are, so rank 0 logs the run, not
 itself: traffic and times are averaged, peaks and stalls take the maximum. Every rank reaches the same gathers in
 the same order (which metrics exist depends only on the config and the device type, identical on all ranks).
+
+The rollout sanity alarm (`trl_turbo.grpo.rollout_check`) reads the sampler/trainer log-prob gap TRL (or trl_turbo's
+loss) appended to the same metrics, already averaged over ranks, so every rank warns or raises alike.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
 
+from ..grpo.rollout_check import RolloutCheck, RolloutMismatch
 from . import registry
+
+_GAP = "sampling/sampling_logp_difference/mean"
 
 _GIB = 2**30
 # Reduced over ranks by their maximum; every other metric by its mean.
@@ -66,9 +73,41 @@ def _wrap_training_step(original):
         loss = original(self, *args, **kwargs)
         for name, value in _reduced(self.accelerator, step_values(self), _MAXIMUM).items():
             self._metrics["train"][name].append(value)
+        check_rollout(self)
         return loss
 
     return training_step
+
+
+class _RolloutWatch:
+    """The alarm of one trainer and how far into TRL's current gap list it has read (TRL clears it when it logs)."""
+
+    def __init__(self) -> None:
+        self.check = RolloutCheck()
+        self.values: list[float] | None = None
+        self.read = 0
+
+
+def check_rollout(trainer: Any) -> None:
+    """Feed the gaps logged since the last call to the trainer's alarm; warn or raise once when it trips."""
+    mode = getattr(trainer.args, "turbo_rollout_check", "off")
+    if mode == "off":
+        return
+    values = trainer._metrics["train"].get(_GAP)
+    if not values:
+        return
+    watch = trainer.__dict__.setdefault("_trl_turbo_rollout", _RolloutWatch())
+    if watch.values is not values:
+        watch.values, watch.read = values, 0
+    new, watch.read = values[watch.read :], len(values)
+    if not new:
+        return
+    message = watch.check.observe(sum(new) / len(new))
+    if message is None:
+        return
+    if mode == "error":
+        raise RolloutMismatch(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def apply() -> None:

@@ -226,7 +226,10 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     result["sampling"] = sampling_mode(trainer)
     before = frozen_snapshot(trainer)
     result["gaps_before"] = logprob_gaps(trainer)
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    result["rollout_alarms"] = rollout_alarms(caught)
     result["gaps_after"] = logprob_gaps(trainer)
     result["changed_base_matrices"] = changed_matrices(trainer, before)
     result["copies_after"] = weight_copies(trainer)
@@ -238,6 +241,41 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     return result
 
 
+def rollout_alarms(caught: list[Any]) -> int:
+    """How many of the recorded warnings are the rollout sanity alarm."""
+    return sum("do not come from the policy" in str(w.message) for w in caught)
+
+
+def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 12) -> dict[str, Any]:
+    """Train with an engine whose adapter never reaches vLLM (the push skipped in "lora" mode, the merge skipped in
+    "merged" mode): vLLM samples from the base weights while the trainer's policy moves. Returns at which step the
+    rollout alarm tripped (None: never) and the logged gaps."""
+    trainer = build_trainer(arch, path, steps=steps, completion_cap=8, turbo_vllm_sampling=sampling)
+    state = trainer.vllm_generation._trl_turbo_engine
+    if state.merged is not None:
+        state.merged.merge = lambda: None  # nothing merged, nothing to restore
+    else:
+        state.adapters.push = lambda tensors, config: None  # no LoRARequest: vLLM's plain base weights
+    tripped_at = []
+
+    from transformers import TrainerCallback
+
+    class WatchAlarm(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            watch = getattr(trainer, "_trl_turbo_rollout", None)
+            if watch is not None and watch.check.tripped and not tripped_at:
+                tripped_at.append(state.global_step)
+
+    trainer.add_callback(WatchAlarm())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    gaps = [log["sampling/sampling_logp_difference/mean"] for log in trainer.state.log_history
+            if "sampling/sampling_logp_difference/mean" in log]
+    return {"arch": arch, "sampling": sampling_mode(trainer), "alarms": rollout_alarms(caught),
+            "tripped_at_step": tripped_at[0] if tripped_at else None, "gaps": gaps}
+
+
 if __name__ == "__main__":
     import os
 
@@ -246,7 +284,10 @@ if __name__ == "__main__":
     workdir = Path(sys.argv[2]) / f"rank{rank}" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else Path(sys.argv[2])
     quantization = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "none" else None
     sampling = sys.argv[4] if len(sys.argv) > 4 else "auto"
-    result = {"rank": rank, **check_family(sys.argv[1], workdir, quantization=quantization, sampling=sampling)}
+    if sys.argv[5:] == ["stale"]:
+        result = {"rank": rank, **stale_adapter_run(sys.argv[1], workdir, sampling)}
+    else:
+        result = {"rank": rank, **check_family(sys.argv[1], workdir, quantization=quantization, sampling=sampling)}
     print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
 

@@ -246,12 +246,15 @@ def rollout_alarms(caught: list[Any]) -> int:
     return sum("do not come from the policy" in str(w.message) for w in caught)
 
 
-def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 12) -> dict[str, Any]:
+def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 8) -> dict[str, Any]:
     """Train with an engine whose adapter never reaches vLLM (the push skipped in "lora" mode, the merge skipped in
-    "merged" mode): vLLM samples from the base weights while the trainer's policy moves. Returns at which step the
-    rollout alarm tripped (None: never) and the logged gaps."""
+    "merged" mode): vLLM samples from the base weights while the trainer's policy moves. After step 2 the adapter is
+    given the size a few hundred steps of training would give it (`randomize_adapter`), so the drift the alarm watches
+    for shows within the test's steps. Returns at which step the alarm tripped (None: never) and the logged gaps."""
     trainer = build_trainer(arch, path, steps=steps, completion_cap=8, turbo_vllm_sampling=sampling)
     state = trainer.vllm_generation._trl_turbo_engine
+    if state.merged is None and state.adapters is None:
+        raise AssertionError("the engine has neither merged nor LoRA sampling")
     if state.merged is not None:
         state.merged.merge = lambda: None  # nothing merged, nothing to restore
     else:
@@ -262,6 +265,8 @@ def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 12) -> 
 
     class WatchAlarm(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2:
+                randomize_adapter(trainer.model)
             watch = getattr(trainer, "_trl_turbo_rollout", None)
             if watch is not None and watch.check.tripped and not tripped_at:
                 tripped_at.append(state.global_step)

@@ -314,3 +314,19 @@ def test_sampling_field_is_validated_at_config_time(tmp_path):
     with pytest.raises(ValueError, match="turbo_vllm_shared_weights=True"):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, turbo_vllm_sampling="merged")
     assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).turbo_vllm_sampling == "auto"
+
+
+def test_shared_4bit_weights_sample_through_lora_slots(tmp_path, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    from test_vllm_sharing_4bit import _quantized_peft_model
+
+    from trl_turbo.patches import trl_vllm
+    from trl_turbo.vllm.sharing import sharing_mode
+
+    model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_compute_dtype=torch.bfloat16)
+    sharing = sharing_mode(model)
+    assert sharing.mode == "shared"
+    assert trl_vllm._sampling(_generation(model), _config("auto"), sharing) == "lora"
+    with pytest.warns(RuntimeWarning, match="4-bit"):
+        assert trl_vllm._sampling(_generation(model), _config("merged"), sharing) == "lora"

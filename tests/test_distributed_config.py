@@ -106,7 +106,7 @@ def test_no_warning_when_the_features_are_off_or_checkpointing_is(monkeypatch):
 
 @pytest.mark.parametrize("strategy", list(Strategy), ids=lambda s: s.name)
 def test_shared_weights_are_refused_before_loading_where_weights_are_sharded(monkeypatch, strategy):
-    from trl_turbo.patches import versions
+    from trl_turbo import versions
 
     monkeypatch.setattr(versions, "unsupported_reason", lambda packages=None: None)  # as if vLLM 0.24 were here
     world_size = _launch(monkeypatch, strategy)
@@ -121,7 +121,7 @@ def test_shared_weights_are_refused_before_loading_where_weights_are_sharded(mon
 
 
 def test_engine_features_need_one_engine_per_process(monkeypatch):
-    from trl_turbo.patches import versions
+    from trl_turbo import versions
 
     monkeypatch.setattr(versions, "unsupported_reason", lambda packages=None: None)
     for switch in ("turbo_vllm_shared_weights", "turbo_vllm_standby"):

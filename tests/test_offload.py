@@ -221,7 +221,7 @@ def test_keyword_tensors_that_need_gradients_get_them():
 def test_layers_outside_the_tested_families_keep_transformers_checkpointing():
     """MoE layers (router logits captured by hooks feed the aux loss) and other families keep their own
     checkpoint function and plain MLP."""
-    from trl_turbo.patches.transformers_checkpointing import SUPPORTED_LAYER_CLASSES
+    from trl_turbo.families import DECODER_LAYER_CLASSES
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -232,7 +232,7 @@ def test_layers_outside_the_tested_families_keep_transformers_checkpointing():
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
         num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01))
     moe.train()
-    assert type(moe.model.layers[0]).__name__ not in SUPPORTED_LAYER_CLASSES
+    assert type(moe.model.layers[0]).__name__ not in DECODER_LAYER_CLASSES
     moe.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     before = moe.model.layers[0]._gradient_checkpointing_func
     install_runtime(moe, CheckpointingRuntime(None))

@@ -9,7 +9,8 @@ import trl.trainer.utils as trl_utils
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_turbo
-from trl_turbo.patches import registry, versions
+from trl_turbo import versions
+from trl_turbo.patches import registry
 
 PATCHED_METHODS = ("_compute_loss", "_get_per_token_logps_and_entropies", "_generate_and_score_completions")
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from trl_turbo.config import SHARED_WEIGHT_MODEL_TYPES
+from trl_turbo.families import SHARED_WEIGHT_MODEL_TYPES
 from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from trl_turbo.patches import trl_trainer_init, trl_vllm, versions
+from trl_turbo import versions
+from trl_turbo.patches import construction, trl_trainer_init, trl_vllm
 
 
 class _FakeGeneration:
@@ -44,8 +45,7 @@ def test_server_mode_and_switch_off_leave_trl_alone(fake_llm, monkeypatch):
     trl_vllm._wrap_init_vllm(_original_init_vllm)(generation)
     assert "dtype" not in generation.llm
     config = types.SimpleNamespace(turbo_vllm_match_precision=False)
-    monkeypatch.setattr(trl_trainer_init, "constructing_config", lambda: config)
-    monkeypatch.setattr(trl_vllm, "constructing_config", lambda: config)
+    monkeypatch.setattr(construction, "constructing_config", lambda: config)
     generation = _FakeGeneration("colocate", "fp16")
     trl_vllm._wrap_init_vllm(_original_init_vllm)(generation)
     assert "dtype" not in generation.llm
@@ -73,11 +73,11 @@ def test_config_is_visible_while_the_trainer_is_constructed():
     seen = []
 
     def trl_init(self, model, reward_funcs, args=None, **kwargs):
-        seen.append(trl_trainer_init.constructing_config())
+        seen.append(construction.constructing_config())
 
     config = types.SimpleNamespace(gradient_checkpointing=False)
     trainer = types.SimpleNamespace(args=config, model=None)
     trl_trainer_init._wrap_init(trl_init)(trainer, "model", [], args=config)
     assert seen == [config]
-    assert trl_trainer_init.constructing_config() is None  # only during the constructor
+    assert construction.constructing_config() is None  # only during the constructor
     assert trainer._trl_turbo_checkpointing is None  # nothing to install without checkpointing

@@ -15,7 +15,7 @@ import torch
 from test_vllm_sharing import StandInVllmModel
 from test_vllm_sharing_4bit import _quantized_peft_model, needs_bnb, tiny_llama
 
-from trl_turbo.patches import trl_vllm, vllm_engine
+from trl_turbo.patches import construction, trl_vllm, vllm_engine
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm import dequantized
@@ -161,7 +161,7 @@ def _engine_kwargs(model, mixed_precision="no"):
 
 @needs_bnb
 def test_a_separate_copy_gets_a_16_bit_engine_with_one_lora_slot(tmp_path, monkeypatch):
-    from trl_turbo.patches import versions
+    from trl_turbo import versions
 
     # the engine's dtype follows the training precision only with a vLLM in precision matching's range
     monkeypatch.setattr(versions, "installed_version", lambda package: {"vllm": "0.24.0"}.get(package))
@@ -259,7 +259,7 @@ def trl_module(monkeypatch):
 
 def test_trl_probe_is_off_only_while_a_separate_copy_is_built(trl_module, monkeypatch):
     config = _engine_config(turbo_vllm_match_precision=True)
-    monkeypatch.setattr(trl_vllm, "constructing_config", lambda: config)
+    monkeypatch.setattr(construction, "constructing_config", lambda: config)
     features = []
     monkeypatch.setattr(trl_vllm, "_start_engine_features", lambda *args: features.append(args[3]))
     generation = _generation(_phi3(), "bf16")
@@ -276,7 +276,7 @@ def test_trl_probe_is_off_only_while_a_separate_copy_is_built(trl_module, monkey
 
 def test_trl_probe_comes_back_when_the_engine_fails(trl_module, monkeypatch):
     config = _engine_config(turbo_vllm_match_precision=True)
-    monkeypatch.setattr(trl_vllm, "constructing_config", lambda: config)
+    monkeypatch.setattr(construction, "constructing_config", lambda: config)
 
     def failing_init_vllm(self):
         assert not sys.modules[__name__].is_bitsandbytes_available()

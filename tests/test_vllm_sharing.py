@@ -279,7 +279,7 @@ def test_engine_switches_need_colocated_vllm():
 
 
 def test_engine_switches_name_the_vllm_they_need(monkeypatch):
-    from trl_turbo.patches import versions
+    from trl_turbo import versions
 
     monkeypatch.setattr(versions, "installed_version", lambda package: "0.22.0" if package == "vllm" else None)
     with pytest.raises(ValueError, match=r"vllm==0.22.0 \(supported: >=0.24.0,<0.25.0\).*trl-turbo\[vllm\]"):
@@ -287,7 +287,7 @@ def test_engine_switches_name_the_vllm_they_need(monkeypatch):
 
 
 def test_shared_weights_name_the_peft_they_need(monkeypatch):
-    from trl_turbo.patches import versions
+    from trl_turbo import versions
 
     found = {"vllm": "0.24.0", "peft": "1.3.0"}
     monkeypatch.setattr(versions, "installed_version", found.get)

@@ -17,12 +17,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .families import LLAMA_NORM_MODEL_TYPES, MODEL_TYPES, SHARED_WEIGHT_MODEL_TYPES, listed
 from .grpo.rollout_check import ROLLOUT_CHECK_MODES
 from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec, validate_loss_options
 
-# Model types whose vLLM implementation stores each HF weight as rows of one tensor (checked again at run time);
-# vLLM holds a separate copy of other models' weights (`trl_turbo.vllm.sharing`).
-SHARED_WEIGHT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 VLLM_SAMPLING_MODES = ("auto", "merged", "lora")
 # The loss spec's defaults are the defaults of the loss fields below (one source).
@@ -111,8 +109,7 @@ class TurboFields:
             "help": "With gradient_checkpointing: each decoder layer's checkpointed input goes to pinned CPU memory on "
             "a side stream during the forward pass and is prefetched back one layer ahead during the backward "
             "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. Decoder layers "
-            "of llama, mistral, qwen2, qwen3, gemma, gemma2 and gemma3 (text); other layers (MoE, other families) "
-            "keep transformers' checkpointing. One process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays "
+            "of " + listed(MODEL_TYPES) + "; other layers (MoE, other families) keep transformers' checkpointing. One process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays "
             "off, with a warning)."
         },
     )
@@ -153,7 +150,7 @@ class TurboFields:
     turbo_lean_norms: bool = field(
         default=True,
         metadata={
-            "help": "Llama-style RMSNorms (llama, qwen2, qwen3, mistral) keep only their input and one fp32 scalar "
+            "help": "Llama-style RMSNorms (" + listed(LLAMA_NORM_MODEL_TYPES) + ") keep only their input and one fp32 scalar "
             "per token for the backward pass instead of fp32 copies of the activations; the forward output is "
             "bitwise the same, gradients equal up to rounding."
         },
@@ -175,7 +172,7 @@ class TurboFields:
             "into the shared weights or through vLLM's LoRA layers (turbo_vllm_sampling), never by pushing every "
             "weight or writing files. bitsandbytes 4-bit "
             "models share their packed 4-bit weights (vLLM's bitsandbytes loader gets the training model's bytes "
-            "and quantization states). Shared for model types " + ", ".join(SHARED_WEIGHT_MODEL_TYPES) + " in 16 "
+            "and quantization states). Shared for model types " + listed(SHARED_WEIGHT_MODEL_TYPES) + " in 16 "
             "bits or bitsandbytes 4-bit with uint8 storage. Any other model (another type, 8-bit, other 4-bit "
             "storage, fp32 CPU offload, llm_int8_skip_modules beyond lm_head) falls back, with a warning at config "
             "time, to a separate 16-bit copy in vLLM, loaded once from the training model's own weights (dequantized "
@@ -231,7 +228,7 @@ class TurboFields:
     turbo_liger_layers: bool | None = field(
         default=None,
         metadata={
-            "help": "Route the RMSNorms and gated-SiLU MLPs of llama, mistral, qwen2 and qwen3 models through "
+            "help": "Route the RMSNorms and gated-SiLU MLPs of " + listed(LLAMA_NORM_MODEL_TYPES) + " models through "
             "Liger-Kernel's fused Triton kernels (in place of the lean norms; the tiled MLP tiles Liger's MLP). "
             "None (default): on for a one-process run on a CUDA GPU with liger-kernel installed (where its "
             "results were checked against stock), else off. True needs liger-kernel and a CUDA GPU."
@@ -438,7 +435,7 @@ def _validate_vllm(args: Any) -> None:
             raise ValueError(f"`turbo_vllm_shared_weights=True` cannot work here: {reason}. Train with DDP "
                              "(TRL's multi_gpu.yaml) or DeepSpeed ZeRO-1/2 to share weights, or set it to False "
                              "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
-    from .patches.versions import SUPPORTED_OPTIONAL, VLLM_ENGINE, unsupported_reason
+    from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE, unsupported_reason
 
     reason = unsupported_reason(VLLM_ENGINE)
     if reason is not None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import warnings
 
-from . import registry, versions
+from .. import versions
+from . import registry
 
 _warned = False
 

@@ -5,7 +5,7 @@ Seams:
   the re-enables TRL performs around each generation and no-grad pass (with raw kwargs that break transformers'
   own `offload` option). After the original, a model that carries a `CheckpointingRuntime` (attached by the
   GRPOTrainer patch) gets trl_turbo's checkpoint function on each decoder layer of the tested dense families
-  (`SUPPORTED_LAYER_CLASSES`; other layers keep transformers' function). The layer's own function is kept for
+  (`DECODER_LAYER_CLASSES`; other layers keep transformers' function). The layer's own function is kept for
   `unpatch()`.
 - `PreTrainedModel.enable_input_require_grads` registers a new embedding hook on every call and forgets the old
   handles, so TRL's re-enables pile up one hook per generation. The wrapper removes the previous hooks first.
@@ -21,22 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..families import DECODER_LAYER_CLASSES, LLAMA_NORM_CLASSES
 from ..offload import CheckpointOffloader, LeanRMSNormForward, TiledMLPForward, offloaded_checkpoint
 from . import registry
 
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# RMSNorm classes computing `weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`; tests check each
-# against its original on every supported transformers version (gemma's `1 + weight` form is not among them).
-LEAN_NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 _SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # the MLPs Liger's SwiGLU computes exactly
-# Decoder layers that trl_turbo's checkpoint function and tiled MLP apply to: the dense families the parity tests
-# train. Their layers take no keyword tensor that needs a gradient and capture nothing through hooks (MoE router
-# logits would be), their MLPs act per token, and their MLP output feeds the residual sum directly except where a
-# `post_feedforward_layernorm` follows it. Other layers keep transformers' checkpointing and their plain MLP.
-SUPPORTED_LAYER_CLASSES = frozenset({
-    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer",
-    "Gemma2DecoderLayer", "Gemma3DecoderLayer",
-})
+# Decoder layers that trl_turbo's checkpoint function and tiled MLP apply to (`families.DECODER_LAYER_CLASSES`): the
+# dense families the parity tests train. Their layers take no keyword tensor that needs a gradient and capture nothing
+# through hooks (MoE router logits would be), their MLPs act per token, and their MLP output feeds the residual sum
+# directly except where a `post_feedforward_layernorm` follows it. Other layers keep transformers' checkpointing and
+# their plain MLP. RMSNorm classes in `families.LLAMA_NORM_CLASSES` are checked against their originals by the tests.
 _configured: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -58,8 +53,8 @@ class CheckpointingRuntime:
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The checkpointed layers of `model` that trl_turbo's features apply to (`SUPPORTED_LAYER_CLASSES`)."""
-    return [m for m in _checkpointed_layers(model) if type(m).__name__ in SUPPORTED_LAYER_CLASSES]
+    """The checkpointed layers of `model` that trl_turbo's features apply to (`DECODER_LAYER_CLASSES`)."""
+    return [m for m in _checkpointed_layers(model) if type(m).__name__ in DECODER_LAYER_CLASSES]
 
 
 def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -86,8 +81,8 @@ def _use_runtime_in_layers(model: torch.nn.Module, runtime: CheckpointingRuntime
 
 
 def _llama_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Llama-style RMSNorms of `model` (the classes in `LEAN_NORM_CLASSES`)."""
-    return [m for m in model.modules() if type(m).__name__ in LEAN_NORM_CLASSES and hasattr(m, "variance_epsilon")]
+    """The Llama-style RMSNorms of `model` (the classes in `LLAMA_NORM_CLASSES`)."""
+    return [m for m in model.modules() if type(m).__name__ in LLAMA_NORM_CLASSES and hasattr(m, "variance_epsilon")]
 
 
 def _gated_mlps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:

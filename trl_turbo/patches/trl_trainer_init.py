@@ -1,7 +1,8 @@
 """`GRPOTrainer.__init__`: the one wrapper around TRL's constructor.
 
-While TRL's constructor runs, the trainer's GRPOConfig is visible through `constructing_config()`. Objects TRL builds
-inside it never receive the config, the vLLM engine among them, and this lets their patches read it. After the
+While TRL's constructor runs, the trainer's GRPOConfig is visible through `construction.constructing_config()`.
+Objects TRL builds inside it never receive the config, the vLLM engine among them, and this lets their patches read
+it. After the
 constructor, the model-side features are installed: lean norms, the checkpointing runtime, tiled MLPs. Before it,
 loss settings the trainer class would ignore or not know and inputs that the shared-weights engine cannot serve are
 refused, so no model loads for a run that would fail.
@@ -9,20 +10,13 @@ refused, so no model loads for a run that would fail.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
-from typing import Any
 
 from . import registry, trl_checkpointing
-
-_constructing: contextvars.ContextVar[Any] = contextvars.ContextVar("trl_turbo_grpo_config", default=None)
-
-
-def constructing_config() -> Any:
-    """The GRPOConfig of the GRPOTrainer being constructed (None outside a constructor, or when TRL builds its
-    default config because none was passed)."""
-    return _constructing.get()
+from .construction import constructing
+from .trl_trainer import check_loss_owner
+from .trl_vllm import check_trainer_inputs
 
 
 def _wrap_init(original):
@@ -32,16 +26,10 @@ def _wrap_init(original):
     def __init__(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         config = bound.get("args")
-        from .trl_trainer import check_loss_owner
-        from .trl_vllm import check_trainer_inputs  # trl_vllm reads `constructing_config` from this module
-
         check_loss_owner(type(self), config)
         check_trainer_inputs(config, bound.get("model"), bound.get("peft_config"), bound.get("quantization_config"))
-        token = _constructing.set(config)
-        try:
+        with constructing(config):
             original(self, *args, **kwargs)
-        finally:
-            _constructing.reset(token)
         self._trl_turbo_checkpointing = trl_checkpointing.configure(self)
 
     return __init__

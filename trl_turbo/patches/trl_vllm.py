@@ -63,8 +63,8 @@ from ..vllm.quantized import (
     vllm_quantization_config,
 )
 from ..vllm.sharing import COPY, SHARED, Sharing, copy_reasons, fallback_warning, sharing_mode
-from . import registry, versions
-from .trl_trainer_init import constructing_config
+from .. import versions
+from . import construction, registry
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 _GIB = 2**30
@@ -77,7 +77,7 @@ def _setting(config: Any, name: str) -> Any:
 def vllm_dtype(generation: Any) -> str | None:
     """The dtype vLLM should use for a `VLLMGeneration` built by a GRPOTrainer, or None to leave TRL's choice (also
     for a vLLM outside the range precision matching is tested with: a warning, and TRL's own choice)."""
-    config = constructing_config()
+    config = construction.constructing_config()
     if not _setting(config, "turbo_vllm_match_precision") or generation.mode != "colocate":
         return None
     reason = versions.unsupported_reason({"vllm": versions.SUPPORTED_OPTIONAL["vllm"]})
@@ -284,7 +284,7 @@ class _EngineState:
 def _wrap_init_vllm(original):
     @functools.wraps(original)
     def _init_vllm(self):
-        config = constructing_config()
+        config = construction.constructing_config()
         sharing = _sharing(self, config)
         sampling = _sampling(self, config, sharing)
         parked = None

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from trl_turbo.families import MODEL_TYPES
 from trl_turbo.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer
 
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")
+ARCHITECTURES: tuple[str, ...] = MODEL_TYPES
 # Families outside trl_turbo's shared-weight layouts, built only for the checks of vLLM's separate copy.
 SEPARATE_COPY_ARCHITECTURES: tuple[str, ...] = ("phi3",)
 HEAD_DIM = 8

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..config import SHARED_WEIGHT_MODEL_TYPES
+from ..families import SHARED_WEIGHT_MODEL_TYPES
 from .dequantized import unsupported_quantization
 from .quantized import layout_problems, quantization_config_dict, sharing_problems
 

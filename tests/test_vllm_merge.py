@@ -61,7 +61,6 @@ def test_a_thousand_merge_restore_cycles_are_bit_exact(dtype):
     model = _lora_model(dtype)
     original = _base_weights(model)
     sampling = MergedSampling(model, "default", pin=False)
-    weights = [t.weight for t in sampling.targets]
     changed = subtraction_drift = 0
     for cycle in range(1000):
         with sampling.sampling():
@@ -232,29 +231,29 @@ def _config(sampling):
 def test_engine_samples_merged_where_it_can_and_through_lora_slots_otherwise(monkeypatch):
     import warnings
 
-    from trl_turbo.patches import trl_vllm
+    from trl_turbo.vllm import engine_plan
     from trl_turbo.vllm.sharing import Sharing
 
     model = _lora_model(torch.bfloat16)
     generation = _generation(model)
     shared, copy = Sharing(), Sharing(reasons=("8-bit",))
-    monkeypatch.setattr(trl_vllm, "available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 64 * 2**30)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default choice warns about nothing
-        assert trl_vllm._sampling(generation, _config("auto"), shared) == "merged"
-        assert trl_vllm._sampling(generation, _config("merged"), shared) == "merged"
-        assert trl_vllm._sampling(generation, _config("lora"), shared) == "lora"
-        assert trl_vllm._sampling(generation, _config("auto"), copy) == "lora"
-        assert trl_vllm._sampling(generation, _config("auto"), None) is None  # TRL's own engine
-    merged_kwargs = trl_vllm._engine_kwargs(generation, _config("auto"), shared, "merged")
+        assert engine_plan.engine_sampling(generation, _config("auto"), shared) == "merged"
+        assert engine_plan.engine_sampling(generation, _config("merged"), shared) == "merged"
+        assert engine_plan.engine_sampling(generation, _config("lora"), shared) == "lora"
+        assert engine_plan.engine_sampling(generation, _config("auto"), copy) == "lora"
+        assert engine_plan.engine_sampling(generation, _config("auto"), None) is None  # TRL's own engine
+    merged_kwargs = engine_plan.engine_kwargs(generation, _config("auto"), shared, "merged")
     assert "enable_lora" not in merged_kwargs and merged_kwargs["load_format"] == "dummy"  # no LoRA slots
-    assert trl_vllm._engine_kwargs(generation, _config("lora"), shared, "lora")["enable_lora"]
+    assert engine_plan.engine_kwargs(generation, _config("lora"), shared, "lora")["enable_lora"]
     with pytest.warns(RuntimeWarning, match="separate copy.*LoRA layers"):
-        assert trl_vllm._sampling(generation, _config("merged"), copy) == "lora"
-    monkeypatch.setattr(trl_vllm, "available_host_bytes", lambda: 2**10)  # a host copy would not fit
-    assert trl_vllm._sampling(generation, _config("auto"), shared) == "lora"
+        assert engine_plan.engine_sampling(generation, _config("merged"), copy) == "lora"
+    monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 2**10)  # a host copy would not fit
+    assert engine_plan.engine_sampling(generation, _config("auto"), shared) == "lora"
     with pytest.warns(RuntimeWarning, match="host copy"):
-        assert trl_vllm._sampling(generation, _config("merged"), shared) == "lora"
+        assert engine_plan.engine_sampling(generation, _config("merged"), shared) == "lora"
 
 
 class _StandInLLM:
@@ -270,12 +269,13 @@ def test_generation_samples_merged_weights_and_leaves_the_base_restored(monkeypa
     import types
 
     from trl_turbo.patches import trl_vllm
+    from trl_turbo.vllm import engine_plan
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 2))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     model = _lora_model(torch.bfloat16)
     original = _base_weights(model)
-    state = trl_vllm._EngineState()
+    state = engine_plan.EngineState()
     state.merged = MergedSampling(model, "default", pin=False)
     llm = _StandInLLM()
     generation = types.SimpleNamespace(_trl_turbo_engine=state, llm=llm,
@@ -298,7 +298,7 @@ def test_generation_samples_merged_weights_and_leaves_the_base_restored(monkeypa
     assert seen == [True] and llm.prefix_cache_resets == 1  # blocks cached with other weights are dropped
     _assert_bitwise_equal(model, original)
     assert not state.merged.merged
-    metrics = trl_vllm.drain_metrics(generation)
+    metrics = engine_plan.drain_metrics(generation)
     assert metrics["vllm/merge_s"] >= 0 and metrics["vllm/restore_gib"] > 0 and metrics["vllm/merged_host_copy_gib"] > 0
     sync = trl_vllm._wrap_sync_weights(lambda self: pytest.fail("TRL's full-weight push must not run"))
     assert sync(generation) is None
@@ -320,13 +320,13 @@ def test_shared_4bit_weights_sample_through_lora_slots(tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
     from test_vllm_sharing_4bit import _quantized_peft_model
 
-    from trl_turbo.patches import trl_vllm
+    from trl_turbo.vllm import engine_plan
     from trl_turbo.vllm.sharing import sharing_mode
 
     model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_compute_dtype=torch.bfloat16)
     sharing = sharing_mode(model)
     assert sharing.mode == "shared"
-    assert trl_vllm._sampling(_generation(model), _config("auto"), sharing) == "lora"
+    assert engine_plan.engine_sampling(_generation(model), _config("auto"), sharing) == "lora"
     with pytest.warns(RuntimeWarning, match="4-bit"):
-        assert trl_vllm._sampling(_generation(model), _config("merged"), sharing) == "lora"
+        assert engine_plan.engine_sampling(_generation(model), _config("merged"), sharing) == "lora"

@@ -15,7 +15,9 @@ import torch
 from test_vllm_sharing import StandInVllmModel
 from test_vllm_sharing_4bit import _quantized_peft_model, needs_bnb, tiny_llama
 
-from trl_turbo.patches import construction, trl_vllm, vllm_engine
+from trl_turbo.patches import construction, trl_vllm
+from trl_turbo.vllm import engine_plan
+from trl_turbo.vllm import engine as vllm_engine
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm import dequantized
@@ -62,11 +64,11 @@ def test_a_layout_only_the_loaded_model_shows_is_warned_about_when_the_engine_is
     generation = types.SimpleNamespace(mode="colocate", model=model)
     config = types.SimpleNamespace(turbo_vllm_shared_weights=True)
     with pytest.warns(RuntimeWarning, match="LM head is 4-bit.*separate 16-bit copy.*dequantized"):
-        assert trl_vllm._sharing(generation, config) == sharing
+        assert engine_plan.engine_sharing(generation, config) == sharing
     model.config.quantization_config.load_in_4bit, model.config.quantization_config.load_in_8bit = False, True
     with warnings.catch_warnings():  # warned at config time already: the engine stays quiet
         warnings.simplefilter("error")
-        assert trl_vllm._sharing(generation, config).unforeseen == ()
+        assert engine_plan.engine_sharing(generation, config).unforeseen == ()
 
 
 # ------------------------------------------------------------------------------------------ dequantized state
@@ -156,7 +158,7 @@ def _engine_config(**overrides):
 
 def _engine_kwargs(model, mixed_precision="no"):
     generation = _generation(model, mixed_precision)
-    return trl_vllm._engine_kwargs(generation, _engine_config(), sharing_mode(model))
+    return engine_plan.engine_kwargs(generation, _engine_config(), sharing_mode(model))
 
 
 @needs_bnb
@@ -190,27 +192,27 @@ def test_kv_budget_counts_the_weights_vllm_adds(tmp_path, monkeypatch):
 
     counted = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
-    monkeypatch.setattr(trl_vllm, "auto_kv_cache_bytes", lambda **kw: counted.append(kw["vllm_weight_bytes"]) or 0)
+    monkeypatch.setattr(engine_plan, "auto_kv_cache_bytes", lambda **kw: counted.append(kw["vllm_weight_bytes"]) or 0)
     copied = _quantized_peft_model(tmp_path / "int8", load_in_8bit=True)
-    trl_vllm._kv_budget(_generation(copied), sharing_mode(copied), "auto")
+    engine_plan.kv_budget(_generation(copied), sharing_mode(copied), "auto")
     # a 16-bit copy next to the training model's weights: 2 bytes per element, no 4-bit block scales
     assert counted[-1] == dequantized.copy_bytes(copied) == 2 * sum(p.numel() for p in tiny_llama().parameters())
     copied = _quantized_peft_model(tmp_path / "bf16storage", **NF4, bnb_4bit_use_double_quant=True,
                                    bnb_4bit_quant_storage=torch.bfloat16)
-    trl_vllm._kv_budget(_generation(copied), sharing_mode(copied), "auto")
+    engine_plan.kv_budget(_generation(copied), sharing_mode(copied), "auto")
     assert counted[-1] == dequantized.copy_bytes(copied) and statistics_bytes(copied) == 0
     shared = _quantized_peft_model(tmp_path / "nf4", **NF4, bnb_4bit_use_double_quant=True)
-    trl_vllm._kv_budget(_generation(shared), sharing_mode(shared), "auto")
+    engine_plan.kv_budget(_generation(shared), sharing_mode(shared), "auto")
     frozen = sum(p.numel() * p.element_size() for p in shared.parameters() if not p.requires_grad)
     assert counted[-1] == frozen + statistics_bytes(shared) and statistics_bytes(shared) > 0
-    trl_vllm._kv_budget(_generation(shared), None, "auto")  # standby alone: TRL's engine loads a copy of its own
+    engine_plan.kv_budget(_generation(shared), None, "auto")  # standby alone: TRL's engine loads a copy of its own
     assert counted[-1] == frozen + statistics_bytes(shared)
 
 
 def test_metrics_report_the_separate_copy():
-    state = trl_vllm._EngineState()
+    state = engine_plan.EngineState()
     state.copy_bytes = 3 * 2**29
-    metrics = trl_vllm.drain_metrics(types.SimpleNamespace(_trl_turbo_engine=state))
+    metrics = engine_plan.drain_metrics(types.SimpleNamespace(_trl_turbo_engine=state))
     assert metrics == {"vllm/separate_copy_gib": 1.5}
 
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from trl_turbo.patches import vllm_engine
+from trl_turbo.vllm import engine as vllm_engine
 from trl_turbo.testing.models import ARCHITECTURES, tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm.adapter import adapter_problems, adapter_tensors, lora_engine_kwargs
@@ -302,7 +302,7 @@ def test_trainer_inputs_that_cannot_share_are_refused_or_copied_before_loading(t
     from peft import LoraConfig
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trl_turbo.patches.trl_vllm import check_trainer_inputs
+    from trl_turbo.vllm.engine_plan import check_trainer_inputs
 
     config = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
     llama = tiny_model("llama", vocab_size=len(VOCAB))

@@ -38,7 +38,7 @@ def _quantized_peft_model(tmp_path, dtype=torch.float32, **bnb_kwargs):
 @needs_bnb
 @pytest.mark.parametrize("double_quant", [True, False], ids=["nf4-double", "nf4"])
 def test_loader_is_fed_packed_bytes_and_new_states_under_hf_names(tmp_path, double_quant):
-    from trl_turbo.patches.vllm_engine import _base, _hf_state_for_vllm
+    from trl_turbo.vllm.engine import _base, _hf_state_for_vllm
 
     model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_use_double_quant=double_quant)
@@ -140,7 +140,7 @@ def _one_warning(call) -> str:
 def test_quantized_trainer_inputs_are_checked_before_loading(tmp_path):
     from peft import LoraConfig
 
-    from trl_turbo.patches.trl_vllm import check_trainer_inputs
+    from trl_turbo.vllm.engine_plan import check_trainer_inputs
 
     def config(**quantization):
         return types.SimpleNamespace(turbo_vllm_shared_weights=True,
@@ -179,7 +179,7 @@ def test_quantized_trainer_inputs_are_checked_before_loading(tmp_path):
 def test_every_route_to_a_quantized_model_is_checked(tmp_path):
     from peft import LoraConfig
 
-    from trl_turbo.patches.trl_vllm import check_trainer_inputs
+    from trl_turbo.vllm.engine_plan import check_trainer_inputs
 
     plain = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
     checkpoint = tmp_path / "prequantized"

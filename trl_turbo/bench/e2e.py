@@ -179,7 +179,7 @@ def weight_accounting(trainer: Any) -> dict[str, float]:
     spans = []
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     if llm is not None:
-        from trl_turbo.patches.vllm_engine import driver_model
+        from trl_turbo.vllm.engine import driver_model
 
         spans = [(p.data_ptr(), p.numel() * p.element_size()) for p in driver_model(llm).parameters()]
     vllm_bytes = sum(size for _, size in spans)

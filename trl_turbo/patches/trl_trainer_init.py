@@ -16,7 +16,7 @@ import inspect
 from . import registry, trl_checkpointing
 from .construction import constructing
 from .trl_trainer import check_loss_owner
-from .trl_vllm import check_trainer_inputs
+from ..vllm.engine_plan import check_trainer_inputs
 
 
 def _wrap_init(original):

@@ -33,14 +33,14 @@ def stop_early(model: torch.nn.Module) -> None:
 
 
 def vllm_storage_spans(llm: Any) -> list[tuple[int, int]]:
-    from trl_turbo.patches.vllm_engine import driver_model
+    from trl_turbo.vllm.engine import driver_model
 
     return [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
             for _, p in driver_model(llm).named_parameters()]
 
 
 def _frozen(trainer: Any) -> dict[str, torch.Tensor]:
-    from trl_turbo.patches.vllm_engine import _frozen_matrix_weights
+    from trl_turbo.vllm.engine import _frozen_matrix_weights
 
     return _frozen_matrix_weights(trainer.model.get_base_model())
 
@@ -48,7 +48,7 @@ def _frozen(trainer: Any) -> dict[str, torch.Tensor]:
 def copy_mismatches(llm: Any, model: torch.nn.Module) -> list[str]:
     """The frozen HF matrices whose dequantized values are not their rows of vLLM's weights (a separate copy), or
     that vLLM lacks."""
-    from trl_turbo.patches.vllm_engine import (
+    from trl_turbo.vllm.engine import (
         _base,
         _frozen_matrix_weights,
         _hf_state_for_vllm,
@@ -177,7 +177,7 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quanti
 
 def sampling_mode(trainer: Any) -> str:
     """The sampling mode the trainer's engine chose, and that vLLM's model has LoRA layers exactly when it is "lora"."""
-    from trl_turbo.patches.vllm_engine import driver_model
+    from trl_turbo.vllm.engine import driver_model
 
     state = trainer.vllm_generation._trl_turbo_engine
     mode = "merged" if state.merged is not None else "lora"

@@ -4,6 +4,6 @@
 Pure planning (which HF tensor is which slice of which vLLM tensor, what the adapter looks like to vLLM, how big
 the KV cache may be, whether the weights can be shared, what vLLM gets of a quantized model) lives in `weight_views`,
 `adapter`, `kv_budget`, `sharing`, `quantized` and `dequantized` and is tested on CPU.
-`trl_turbo.patches.vllm_engine` is the only module that reaches into a live `vllm.LLM`; TRL's seams are in
+`trl_turbo.vllm.engine` is the only module that reaches into a live `vllm.LLM`; TRL's seams are in
 `trl_turbo.patches.trl_vllm`.
 """

@@ -99,8 +99,6 @@ def merge_problems(peft_model: Any, adapter: str) -> list[str]:
 def _address(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.untyped_storage().data_ptr(), tensor.storage_offset() * tensor.element_size()
 
-    return problems
-
 
 @torch.no_grad()
 def merge_into(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: float) -> None:

@@ -170,7 +170,7 @@ class KVStandby:
 # ------------------------------------------------------------------------------------------- shared weights
 def _frozen_matrix_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The frozen Linear/Embedding weights of an HF model (PEFT-wrapped or not), by plain HF name, each once."""
-    from ..vllm.weight_views import hf_weight_name
+    from .weight_views import hf_weight_name
 
     weights: dict[str, torch.nn.Parameter] = {}
     seen: set[int] = set()
@@ -188,7 +188,7 @@ def _frozen_matrix_weights(model: torch.nn.Module) -> dict[str, torch.nn.Paramet
 def _hf_state_for_vllm(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """The base model's tensors under HF checkpoint names, as TRL's weight sync names them (adapter tensors left
     out)."""
-    from ..vllm.weight_views import hf_weight_name
+    from .weight_views import hf_weight_name
 
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "original_module" in name or "modules_to_save" in name:
@@ -204,7 +204,7 @@ def engine_dtype(llm: Any) -> torch.dtype:
 def copy_base_weights(llm: Any, peft_model: Any) -> int:
     """Load the training model's base weights into vLLM's own (bitsandbytes layers dequantized to the engine's dtype);
     the training model keeps its weights. Returns the bytes of vLLM's copy."""
-    from ..vllm.dequantized import copy_bytes, dequantized_state
+    from .dequantized import copy_bytes, dequantized_state
 
     base = _base(peft_model)
     load_weights(llm, dequantized_state(base, _hf_state_for_vllm(base), engine_dtype(llm)))
@@ -241,8 +241,8 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     equal first). With `parked` weights (on the host for now) the views must sit on their home device. A model still
     on the host (DeepSpeed and FSDP move it to `training_device` only when training starts) gets views on
     `training_device`; the move then leaves them in place. Returns the bytes now held once instead of twice."""
-    from ..vllm.quantized import four_bit_weights
-    from ..vllm.weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
+    from .quantized import four_bit_weights
+    from .weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
 
     base = _base(peft_model)
     vllm_model = driver_model(llm)
@@ -290,7 +290,7 @@ def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
     quantization states (and its 16-bit tensors) instead of reading and quantizing the checkpoint."""
     from vllm.model_executor.model_loader.bitsandbytes_loader import BitsAndBytesModelLoader
 
-    from ..vllm.quantized import weights_for_vllm
+    from .quantized import weights_for_vllm
 
     base = _base(peft_model)
     original = BitsAndBytesModelLoader.__dict__["_get_quantized_weights_iterator"]
@@ -309,8 +309,8 @@ def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
 
 def _check_4bit_state(view: Any, weight: torch.Tensor, vllm_param: torch.Tensor) -> None:
     """vLLM's state for the shard `view` names dequantizes to the values of the HF weight's own state."""
-    from ..vllm.quantized import same_quantization
-    from ..vllm.weight_views import LayoutMismatch
+    from .quantized import same_quantization
+    from .weight_views import LayoutMismatch
 
     states, offsets = getattr(vllm_param, "bnb_quant_state", None), getattr(vllm_param, "bnb_shard_offsets", None)
     if states is None or offsets is None:

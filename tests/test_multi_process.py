@@ -69,7 +69,7 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
     from trl_turbo.patches.trl_step_metrics import _reduced
-    from trl_turbo.patches.trl_trainer import sequence_groups
+    from trl_turbo.grpo.sequence_groups import sequence_groups
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

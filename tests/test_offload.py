@@ -12,7 +12,7 @@ import torch
 
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader, TiledMLPForward
-from trl_turbo.patches import registry
+from trl_turbo import registry
 from trl_turbo.patches.transformers_checkpointing import CheckpointingRuntime, install_runtime, install_tiled_mlp
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model

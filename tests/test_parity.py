@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from trl_turbo.grpo import loss_step, sequence_groups
 from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
 
@@ -250,10 +251,10 @@ def test_forward_token_budget_groups_equal_one_pass(tmp_path, case, budget):
     inputs = parity.synthetic_batch(trainer, batch=4, prompt_len=5, completion_len=7, with_old_logps=True,
                                     with_ref_logps=True, with_sampling_logps=True)
     trainer.args.turbo_forward_token_budget = None
-    assert trl_trainer.sequence_groups(trainer, inputs) is None
+    assert sequence_groups.sequence_groups(trainer, inputs) is None
     one_loss, one_grads = parity.loss_and_grads(trainer, inputs, fused=True)
     trainer.args.turbo_forward_token_budget = budget
-    assert len(trl_trainer.sequence_groups(trainer, inputs)) == (4 if budget == 12 else 2)
+    assert len(sequence_groups.sequence_groups(trainer, inputs)) == (4 if budget == 12 else 2)
     grouped_loss, grouped_grads = parity.loss_and_grads(trainer, inputs, fused=True)
     torch.testing.assert_close(grouped_loss, one_loss, rtol=1e-5, atol=1e-7)
     for name, grad in one_grads.items():
@@ -267,7 +268,7 @@ def test_forward_token_budget_leaves_whole_batch_statistics_unsplit(tmp_path, op
                                                              **options), peft=True)
     trainer.model.train()
     inputs = parity.synthetic_batch(trainer, batch=4, prompt_len=5, completion_len=7)
-    assert trl_trainer.sequence_groups(trainer, inputs) is None
+    assert sequence_groups.sequence_groups(trainer, inputs) is None
 
 
 def test_forward_token_budget_leaves_image_inputs_unsplit(tmp_path):
@@ -277,25 +278,25 @@ def test_forward_token_budget_leaves_image_inputs_unsplit(tmp_path):
                                    peft=True)
     trainer.model.train()
     inputs = parity.synthetic_batch(trainer, batch=4, prompt_len=5, completion_len=7)
-    assert len(trl_trainer.sequence_groups(trainer, inputs)) == 4
+    assert len(sequence_groups.sequence_groups(trainer, inputs)) == 4
     patches = {"pixel_values": torch.zeros(10, 8), "image_grid_thw": torch.tensor([[1, 2, 3], [1, 2, 2]]),
                "num_images": [1, 1, 0, 0]}  # Qwen-VL layout: rows are patches
-    assert trl_trainer.sequence_groups(trainer, {**inputs, **patches}) is None
+    assert sequence_groups.sequence_groups(trainer, {**inputs, **patches}) is None
     one_image_each = {"pixel_values": torch.zeros(4, 3, 2, 2)}  # rows happen to match the sequences
-    assert trl_trainer.sequence_groups(trainer, {**inputs, **one_image_each}) is None
-    assert trl_trainer.sequence_groups(trainer, {**inputs, "unknown_rows": torch.zeros(3, 2)}) is None
+    assert sequence_groups.sequence_groups(trainer, {**inputs, **one_image_each}) is None
+    assert sequence_groups.sequence_groups(trainer, {**inputs, "unknown_rows": torch.zeros(3, 2)}) is None
 
 
 def test_forward_token_budget_training_matches_stock(monkeypatch):
     stock = parity.run_training("stock", steps=2, peft=True, model_kwargs=UNTIED)
     group_counts = []
-    grouped = trl_trainer._grouped_compute_loss
+    grouped = loss_step.grouped_compute_loss
 
     def counting(self, model, inputs, groups):
         group_counts.append(len(groups))
         return grouped(self, model, inputs, groups)
 
-    monkeypatch.setattr(trl_trainer, "_grouped_compute_loss", counting)
+    monkeypatch.setattr(loss_step, "grouped_compute_loss", counting)
     turbo = parity.run_training("turbo", {"turbo_forward_token_budget": 20}, steps=2, peft=True,
                                 model_kwargs=UNTIED)
     assert group_counts and min(group_counts) >= 2, group_counts  # TRL's real inputs were split

@@ -10,7 +10,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import trl_turbo
 from trl_turbo import versions
-from trl_turbo.patches import registry
+from trl_turbo import registry
 
 PATCHED_METHODS = ("_compute_loss", "_get_per_token_logps_and_entropies", "_generate_and_score_completions")
 
@@ -179,3 +179,30 @@ def test_registry_refuses_conflicting_double_patch():
         record = next(r for r in registry._records if r.owner is Owner)
         registry._records.remove(record)
         Owner.attr = 1
+
+
+def test_scoped_patches_nest_are_listed_and_restore_on_every_way_out():
+    import types
+
+    owner = types.SimpleNamespace(name="original")
+    with registry.scoped(owner, "name", "outer"):
+        assert (owner, "name", "outer") in registry.active_patches()
+        with pytest.raises(KeyboardInterrupt):
+            with registry.scoped(owner, "name", "inner"):
+                assert owner.name == "inner"
+                raise KeyboardInterrupt
+        assert owner.name == "outer"
+        with registry.scoped(owner, "added", 1):
+            assert owner.added == 1
+        assert not hasattr(owner, "added")
+    assert owner.name == "original"
+    assert all(patch[0] is not owner for patch in registry.active_patches())
+
+
+def test_every_permanent_patch_is_listed_and_on_a_host_library():
+    patches = registry.active_patches()
+    assert patches, "import trl_turbo patches nothing?"
+    for owner, name, value in patches:
+        module = getattr(owner, "__module__", None) or getattr(owner, "__name__", "")
+        assert module.split(".")[0] in ("trl", "transformers", "peft", "vllm", "torch"), (owner, name)
+        assert getattr(owner, name) is value, (owner, name)

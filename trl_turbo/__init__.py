@@ -7,7 +7,7 @@ original object. Features are switched by `turbo_*` fields that become part of T
 from __future__ import annotations
 
 from .patches import apply_all as _apply_all
-from .patches import registry as _registry
+from . import registry as _registry
 from .patches import restore_all as _restore_all
 
 __version__ = "0.1.0"

@@ -1,1 +1,1 @@
-"""GRPO feature code that is pure (no host-library internals): the rollout sanity alarm."""
+"""GRPO feature code: the loss step (the body of `_compute_loss`), sequence groups, the rollout sanity alarm."""

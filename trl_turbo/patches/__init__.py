@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import warnings
 
-from .. import versions
-from . import registry
+from .. import registry, versions
 
 _warned = False
 

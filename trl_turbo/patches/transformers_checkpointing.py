@@ -23,7 +23,7 @@ import torch
 
 from ..families import DECODER_LAYER_CLASSES, LLAMA_NORM_CLASSES
 from ..offload import CheckpointOffloader, LeanRMSNormForward, TiledMLPForward, offloaded_checkpoint
-from . import registry
+from .. import registry
 
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # the MLPs Liger's SwiGLU computes exactly

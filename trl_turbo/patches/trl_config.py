@@ -15,7 +15,7 @@ import functools
 from typing import Any
 
 from .. import config as turbo_config
-from . import registry
+from .. import registry
 
 
 def _all_subclasses(cls: type) -> list[type]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..grpo.rollout_check import RolloutCheck, RolloutMismatch
-from . import registry
+from .. import registry
 
 _GAP = "sampling/sampling_logp_difference/mean"
 

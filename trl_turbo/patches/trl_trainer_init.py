@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import inspect
 
-from . import registry, trl_checkpointing
+from .. import registry
+from . import trl_checkpointing
 from .construction import constructing
 from .trl_trainer import check_loss_owner
 from ..vllm.engine_plan import check_trainer_inputs

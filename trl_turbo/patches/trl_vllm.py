@@ -45,7 +45,8 @@ from ..vllm.engine_plan import (
 )
 from ..vllm.merge import MERGED, MergedSampling
 from ..vllm.sharing import SHARED, Sharing
-from . import construction, registry
+from .. import registry
+from . import construction
 
 _GIB = 2**30
 __all__ = ["apply", "drain_metrics"]  # drain_metrics: read by the step-metrics seam
@@ -97,15 +98,12 @@ def _trl_attributes(llm: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _module_attributes(module: Any, attributes: dict[str, Any]):
-    """Replace `module`'s attributes for the block; the originals come back however it ends."""
-    originals = {name: getattr(module, name) for name in attributes}
-    for name, value in attributes.items():
-        setattr(module, name, value)
-    try:
+    """Replace `module`'s attributes for the block (scoped registry patches); the originals come back however it
+    ends."""
+    with contextlib.ExitStack() as stack:
+        for name, value in attributes.items():
+            stack.enter_context(registry.scoped(module, name, value))
         yield
-    finally:
-        for name, value in originals.items():
-            setattr(module, name, value)
 
 
 def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: Sharing | None,
@@ -172,14 +170,14 @@ def _wrap_generate(original):
                     self.llm.reset_prefix_cache()  # cached blocks were computed with other weights
             if state.standby is not None:
                 state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB  # also resets the prefix cache
-            with_adapter = state.lora_request is not None and merged is None
-            if with_adapter:
-                self.llm.generate = functools.partial(self.llm.generate, lora_request=state.lora_request)
+            adapter = contextlib.nullcontext()
+            if state.lora_request is not None and merged is None:  # TRL's `llm.generate` call carries the adapter
+                adapter = registry.scoped(self.llm, "generate",
+                                          functools.partial(self.llm.generate, lora_request=state.lora_request))
             try:
-                return original(self, *args, **kwargs)
+                with adapter:
+                    return original(self, *args, **kwargs)
             finally:
-                if with_adapter:
-                    del self.llm.generate  # back to the class's method
                 free, total = torch.cuda.mem_get_info(device)
                 state.metrics["vllm/generation_used_gib"] = (total - free) / _GIB
                 if state.standby is not None:

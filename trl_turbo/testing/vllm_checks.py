@@ -208,9 +208,11 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
 
     import trl.generation.vllm_generation as vllm_generation
 
+    from trl_turbo import registry
+
     # Eager vLLM: compiling and capturing graphs would take most of each family's time and is not what is checked
-    vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
-    with warnings.catch_warnings(record=True) as caught:
+    eager = functools.partial(vllm_generation.LLM, enforce_eager=True)
+    with warnings.catch_warnings(record=True) as caught, registry.scoped(vllm_generation, "LLM", eager):
         warnings.simplefilter("always")
         trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization,
                                 turbo_vllm_sampling=sampling)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .. import registry
+
 ADAPTER_PATH = "trl-turbo://in-memory-adapter"  # never read: ids from `TensorAdapters` are built from tensors
 
 
@@ -88,7 +90,7 @@ class TensorAdapters:
             entry = self._pending.get(lora_request.lora_int_id)
             return file_loader(lora_request) if entry is None else self._build(lora_request.lora_int_id, *entry)
 
-        self._manager._load_adapter = load_adapter
+        registry.set_attr(self._manager, "_load_adapter", load_adapter, weak=True)
 
     def push(self, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
         from vllm.lora.request import LoRARequest
@@ -293,18 +295,14 @@ def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
     from .quantized import weights_for_vllm
 
     base = _base(peft_model)
-    original = BitsAndBytesModelLoader.__dict__["_get_quantized_weights_iterator"]
 
     def training_weights(loader: Any, model_name_or_path: str, revision: Any) -> tuple[Any, dict[str, Any]]:
         tensors, states = weights_for_vllm(base, _hf_state_for_vllm(base))
         # vLLM's own iterators key states by the mapped name, and the tensors by the checkpoint name
         return tensors, {loader.weight_mapper(name): state for name, state in states.items()}
 
-    BitsAndBytesModelLoader._get_quantized_weights_iterator = training_weights
-    try:
+    with registry.scoped(BitsAndBytesModelLoader, "_get_quantized_weights_iterator", training_weights):
         yield
-    finally:
-        BitsAndBytesModelLoader._get_quantized_weights_iterator = original
 
 
 def _check_4bit_state(view: Any, weight: torch.Tensor, vllm_param: torch.Tensor) -> None:

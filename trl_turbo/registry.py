@@ -1,15 +1,19 @@
-"""Reversible attribute patches.
+"""Reversible attribute patches: every patch trl_turbo makes on another library's objects goes through here.
 
 A patch is "set attribute `name` of `owner` to `value`". The registry remembers what was there before (or that
 nothing was), so `restore_all()` puts every original object back in reverse order. Applying the same patch twice is a
 no-op, which is what makes `trl_turbo.patch()` idempotent. No source text of another library is ever read or rewritten.
 Patches on object instances (a model's modules) hold their owner weakly, so the registry never keeps a model alive.
+A scoped patch (`scoped`) lasts for a block and nests: it puts back whatever was there when the block began.
+`active_patches()` lists every patch in force, permanent and scoped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,7 @@ class _Record:
 
 
 _records: list[_Record] = []
+_scoped: list[_Record] = []
 _restore_callbacks: list = []
 lock = threading.RLock()
 
@@ -102,6 +107,31 @@ def restore_all() -> None:
                 delattr(record.owner, record.name)
             else:
                 setattr(record.owner, record.name, record.original)
+
+
+@contextlib.contextmanager
+def scoped(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name = value` inside the block; what was there before comes back however the block ends."""
+    with lock:
+        previous = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        setattr(owner, name, value)
+        record = _Record(owner, False, name, previous, value)
+        _scoped.append(record)
+    try:
+        yield
+    finally:
+        with lock:
+            _scoped.remove(record)
+            if previous is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+
+def active_patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute name, value) of every patch in force: permanent ones first, then scoped ones."""
+    with lock:
+        return [(r.owner, r.name, r.value) for r in (*_records, *_scoped) if r.owner is not None]
 
 
 def is_active() -> bool:

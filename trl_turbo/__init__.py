@@ -2,12 +2,20 @@
 
 Importing the package patches TRL at stable seams (`trl_turbo.patch()`); `trl_turbo.unpatch()` restores every
 original object. Features are switched by `turbo_*` fields that become part of TRL's own `GRPOConfig`.
+
+Layout, imports pointing down only: `kernels/` (Triton kernels and launchers; torch and triton only) -> `ops/`
+(autograd Functions over them) -> `losses` (the one spec of the loss family) -> feature code (`grpo/`, `offload/`,
+`vllm/`, reading the one table of model families, `families`) -> `patches/` (seams) -> the package and CLI entry
+points. `config` declares the `turbo_*` fields; `registry` and `versions` are the shared utilities below them all.
+Host libraries' internals are patched only in `patches/` and reached only there and in `vllm/engine.py` (vLLM's
+worker, LoRA manager and allocator); `grpo/loss_step.py` is the body of GRPOTrainer's `_compute_loss` and reads the
+trainer as that method does. Every patch goes through `registry` (`registry.active_patches()` lists them).
 """
 
 from __future__ import annotations
 
-from .patches import apply_all as _apply_all
 from . import registry as _registry
+from .patches import apply_all as _apply_all
 from .patches import restore_all as _restore_all
 
 __version__ = "0.1.0"

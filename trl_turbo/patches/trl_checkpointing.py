@@ -8,13 +8,13 @@ statistics reach TRL's metrics through `trl_step_metrics`.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from ..config import liger_layers_enabled
 from ..distributed import CHECKPOINTING_FEATURES, local_process_count, unsupported_features
+from ..host_memory import available_host_bytes
 from ..offload import CheckpointOffloader
 from .transformers_checkpointing import (
     CheckpointingRuntime,
@@ -27,18 +27,6 @@ from .transformers_checkpointing import (
 
 _GIB = 2**30
 _HOST_BUDGET_FRACTION = 0.8
-
-
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); elsewhere the OS's count of available pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def strategy_keeps_stock_checkpointing(args: Any) -> bool:

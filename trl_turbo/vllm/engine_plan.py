@@ -18,6 +18,7 @@ import torch
 
 from .. import versions
 from ..config import TurboFields
+from ..host_memory import available_host_bytes
 from .adapter import adapter_problems, lora_engine_kwargs
 from .dequantized import copy_bytes
 from .kv_budget import (
@@ -31,7 +32,6 @@ from .merge import (
     MERGED,
     MergedSampling,
     adapted_weight_bytes,
-    available_host_bytes,
     choose_sampling,
     host_copy_problem,
     merge_problems,

@@ -228,29 +228,15 @@ def choose_sampling(requested: str, problems: list[str]) -> str:
     return MERGED
 
 
-def host_copy_problem(weight_bytes: int, processes_on_host: int, available_bytes: int | None) -> str | None:
+def host_copy_problem(weight_bytes: int, processes_on_host: int, available_bytes: int) -> str | None:
     """Why a host copy of `weight_bytes` per process does not fit the host (None: it fits). The copies may take at
     most half of the memory available now, leaving the rest to checkpoint offload and the data pipeline."""
-    if available_bytes is None:
-        return None
     needed = weight_bytes * processes_on_host
     if needed > available_bytes // 2:
         return (f"restoring the base weights bit-exactly after each merged generation needs a host copy of the "
                 f"adapted matrices, {weight_bytes / 2**30:.1f} GiB per process x {processes_on_host} processes = "
                 f"{needed / 2**30:.1f} GiB, over half of the {available_bytes / 2**30:.1f} GiB of host memory "
                 "available")
-    return None
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
     return None
 
 

@@ -6,8 +6,13 @@ decorated, i.e. at the first import of `trl_turbo.kernels`; conftest.py is impor
 """
 
 import os
+import sys
 
 import torch
+
+# `helpers`, shared by test modules in every subfolder. No subfolder may be named like an importable package (vLLM's
+# tests live in `sampler/`): with this folder on the path, a `vllm/` here would shadow vLLM.
+sys.path.insert(0, os.path.dirname(__file__))
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # overrides an inherited "0": the CPU suite must run the kernels

@@ -2,11 +2,10 @@
 what vLLM's bitsandbytes loader is fed, that the training model's quantization states survive what vLLM does to
 its copies, and which quantization configs cannot share (a warning: vLLM gets a separate copy) or are refused before
 anything loads. The engine side (vLLM's loader, views of its packed shards, sampling through the adapter) is
-GPU-only: tests/test_vllm_families.py."""
+GPU-only: tests/sampler/test_vllm_families.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import types
 import warnings
 
@@ -17,30 +16,14 @@ from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm import quantized
 
-needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-
-
-def tiny_llama(dtype=torch.float32):
-    """The unquantized model `_quantized_peft_model` quantizes."""
-    return tiny_model("llama", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, dtype=dtype)
-
-
-def _quantized_peft_model(tmp_path, dtype=torch.float32, **bnb_kwargs):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    tiny_llama().save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**bnb_kwargs),
-                                                 dtype=dtype, device_map="cpu")
-    return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
-
+from helpers import needs_bnb, quantized_peft_model
 
 @needs_bnb
 @pytest.mark.parametrize("double_quant", [True, False], ids=["nf4-double", "nf4"])
 def test_loader_is_fed_packed_bytes_and_new_states_under_hf_names(tmp_path, double_quant):
     from trl_turbo.vllm.engine import _base, _hf_state_for_vllm
 
-    model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_use_double_quant=double_quant)
     base = _base(model)
     packed = quantized.four_bit_weights(base)
@@ -61,7 +44,7 @@ def test_loader_is_fed_packed_bytes_and_new_states_under_hf_names(tmp_path, doub
 def test_vllm_undoing_double_quantization_leaves_training_states_alone(tmp_path):
     from bitsandbytes.functional import dequantize_4bit
 
-    model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_use_double_quant=True)
     packed = quantized.four_bit_weights(model.get_base_model())
     name, weight = next(iter(packed.items()))
@@ -97,11 +80,11 @@ def test_quantization_configs_that_cannot_share_are_named():
 
 @needs_bnb
 def test_layers_vllm_would_quantize_differently_are_named(tmp_path):
-    standard = _quantized_peft_model(tmp_path / "standard", load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    standard = quantized_peft_model(tmp_path / "standard", load_in_4bit=True, bnb_4bit_quant_type="nf4")
     assert quantized.layout_problems(standard) == []
     # a skip list replaces transformers' default (the LM head) and matches by suffix: down_proj stays 16-bit, the
     # head becomes 4-bit, where vLLM would quantize every down_proj and never the head
-    custom = _quantized_peft_model(tmp_path / "custom", load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    custom = quantized_peft_model(tmp_path / "custom", load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    llm_int8_skip_modules=["down_proj"])
     problems = " ".join(quantized.layout_problems(custom))
     assert "LM head is 4-bit" in problems and "down_proj" in problems
@@ -109,8 +92,8 @@ def test_layers_vllm_would_quantize_differently_are_named(tmp_path):
 
 @needs_bnb
 def test_vllm_statistics_are_counted_only_where_vllm_makes_its_own(tmp_path):
-    double = _quantized_peft_model(tmp_path / "double", load_in_4bit=True, bnb_4bit_use_double_quant=True)
-    single = _quantized_peft_model(tmp_path / "single", load_in_4bit=True, bnb_4bit_use_double_quant=False)
+    double = quantized_peft_model(tmp_path / "double", load_in_4bit=True, bnb_4bit_use_double_quant=True)
+    single = quantized_peft_model(tmp_path / "single", load_in_4bit=True, bnb_4bit_use_double_quant=False)
     blocks = sum(w.numel() * 2 // 64 for w in quantized.four_bit_weights(double).values())  # 2 values a byte
     assert quantized.statistics_bytes(double) == 4 * blocks
     assert quantized.statistics_bytes(single) == 0

@@ -1,7 +1,7 @@
 """CPU side of the separate copy vLLM holds where the base weights cannot be shared: the mode each engine is built in,
 the dequantized state it is fed (on real bitsandbytes CPU layers), its engine arguments and KV budget, the copy into a
 stand-in vLLM model, and TRL's bitsandbytes probe switched off only for the call. The engine side (vLLM's loader,
-sampling through the adapter) is GPU-only: tests/test_vllm_families.py."""
+sampling through the adapter) is GPU-only: tests/sampler/test_vllm_families.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 import torch
-from test_vllm_sharing import StandInVllmModel
-from test_vllm_sharing_4bit import _quantized_peft_model, needs_bnb, tiny_llama
+from helpers import StandInVllmModel
+from helpers import needs_bnb, quantized_peft_model, tiny_llama
 
 from trl_turbo.patches import construction, trl_vllm
 from trl_turbo.vllm import engine_plan
@@ -46,9 +46,9 @@ def _phi3():
 # ------------------------------------------------------------------------------------------------------ mode
 @needs_bnb
 def test_each_loaded_model_gets_the_mode_its_config_names(tmp_path):
-    shared = sharing_mode(_quantized_peft_model(tmp_path / "nf4", **NF4))
+    shared = sharing_mode(quantized_peft_model(tmp_path / "nf4", **NF4))
     assert shared.mode == SHARED and shared.reasons == ()
-    eight_bit = sharing_mode(_quantized_peft_model(tmp_path / "int8", load_in_8bit=True))
+    eight_bit = sharing_mode(quantized_peft_model(tmp_path / "int8", load_in_8bit=True))
     assert eight_bit.mode == COPY and "8-bit" in eight_bit.reasons[0] and eight_bit.unforeseen == ()
     phi3 = sharing_mode(_phi3())
     assert phi3.mode == COPY and "'phi3'" in phi3.reasons[0]
@@ -57,7 +57,7 @@ def test_each_loaded_model_gets_the_mode_its_config_names(tmp_path):
 
 @needs_bnb
 def test_a_layout_only_the_loaded_model_shows_is_warned_about_when_the_engine_is_built(tmp_path):
-    model = _quantized_peft_model(tmp_path, **NF4, llm_int8_skip_modules=["down_proj"])
+    model = quantized_peft_model(tmp_path, **NF4, llm_int8_skip_modules=["down_proj"])
     model.config.quantization_config.llm_int8_skip_modules = None  # the config no longer tells (foreseen: nothing)
     sharing = sharing_mode(model)
     assert sharing.mode == COPY and sharing.unforeseen == sharing.reasons
@@ -78,7 +78,7 @@ def test_dequantized_state_is_the_training_weights_under_hf_names(tmp_path, quan
     from bitsandbytes.functional import dequantize_4bit, int8_vectorwise_dequant
 
     bnb_kwargs, bound = COPIED[quantization]
-    model = _quantized_peft_model(tmp_path, dtype=torch.bfloat16, **bnb_kwargs)
+    model = quantized_peft_model(tmp_path, dtype=torch.bfloat16, **bnb_kwargs)
     base = model.get_base_model()
     hf_state = dict(vllm_engine._hf_state_for_vllm(base))
     layers = dequantized.quantized_layers(base)
@@ -109,7 +109,7 @@ def test_dequantized_state_is_the_training_weights_under_hf_names(tmp_path, quan
 def test_eight_bit_scales_are_found_after_a_forward_moved_them(tmp_path):
     from bitsandbytes.functional import int8_vectorwise_dequant
 
-    model = _quantized_peft_model(tmp_path, load_in_8bit=True)
+    model = quantized_peft_model(tmp_path, load_in_8bit=True)
     layer = next(iter(dequantized.quantized_layers(model).values()))
     before = dequantized.dequantized_weight(layer, torch.bfloat16)
     scales = layer.weight.SCB
@@ -123,7 +123,7 @@ def test_eight_bit_scales_are_found_after_a_forward_moved_them(tmp_path):
 
 @needs_bnb
 def test_dequantized_state_holds_one_matrix_at_a_time(tmp_path, monkeypatch):
-    model = _quantized_peft_model(tmp_path, load_in_8bit=True)
+    model = quantized_peft_model(tmp_path, load_in_8bit=True)
     base = model.get_base_model()
     layers = dequantized.quantized_layers(base)
     made = []
@@ -140,7 +140,7 @@ def test_dequantized_state_holds_one_matrix_at_a_time(tmp_path, monkeypatch):
 @needs_bnb
 @pytest.mark.parametrize("quantization", ["int8", "nf4-double"])
 def test_copy_size_is_the_16_bit_size_of_the_unquantized_model(tmp_path, quantization):
-    model = _quantized_peft_model(tmp_path, **COPIED[quantization][0])
+    model = quantized_peft_model(tmp_path, **COPIED[quantization][0])
     assert dequantized.copy_bytes(model) == 2 * sum(p.numel() for p in tiny_llama().parameters())
 
 
@@ -167,19 +167,19 @@ def test_a_separate_copy_gets_a_16_bit_engine_with_one_lora_slot(tmp_path, monke
 
     # the engine's dtype follows the training precision only with a vLLM in precision matching's range
     monkeypatch.setattr(versions, "installed_version", lambda package: {"vllm": "0.24.0"}.get(package))
-    kwargs = _engine_kwargs(_quantized_peft_model(tmp_path / "int8", load_in_8bit=True))
+    kwargs = _engine_kwargs(quantized_peft_model(tmp_path / "int8", load_in_8bit=True))
     assert kwargs["load_format"] == "dummy" and kwargs["dtype"] == "bfloat16"
     assert "quantization" in kwargs and kwargs["quantization"] is None  # TRL would ask for bitsandbytes
     # the checkpoint vLLM reads may itself be quantized; vLLM must not read its quantization config
     assert kwargs["hf_overrides"] == {"quantization_config": None}
     assert kwargs["enable_lora"] and kwargs["max_lora_rank"] == 8 and kwargs["max_loras"] == 1
-    copied_4bit = _engine_kwargs(_quantized_peft_model(tmp_path / "bf16storage", **NF4,
+    copied_4bit = _engine_kwargs(quantized_peft_model(tmp_path / "bf16storage", **NF4,
                                                        bnb_4bit_quant_storage=torch.bfloat16), "fp16")
     assert copied_4bit["quantization"] is None and copied_4bit["dtype"] == "float16"  # the training precision
     phi3 = _engine_kwargs(_phi3())
     assert phi3["load_format"] == "dummy" and phi3["quantization"] is None and "hf_overrides" not in phi3
     assert phi3["enable_lora"]
-    shared = _engine_kwargs(_quantized_peft_model(tmp_path / "nf4", **NF4))  # shared 4-bit: unchanged
+    shared = _engine_kwargs(quantized_peft_model(tmp_path / "nf4", **NF4))  # shared 4-bit: unchanged
     assert shared["quantization"] == "bitsandbytes" and "load_format" not in shared and "dtype" not in shared
     assert shared["hf_overrides"]["quantization_config"]["load_in_4bit"]
     shared = _engine_kwargs(_peft(tiny_llama(torch.bfloat16)))  # shared 16-bit: unchanged
@@ -193,15 +193,15 @@ def test_kv_budget_counts_the_weights_vllm_adds(tmp_path, monkeypatch):
     counted = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
     monkeypatch.setattr(engine_plan, "auto_kv_cache_bytes", lambda **kw: counted.append(kw["vllm_weight_bytes"]) or 0)
-    copied = _quantized_peft_model(tmp_path / "int8", load_in_8bit=True)
+    copied = quantized_peft_model(tmp_path / "int8", load_in_8bit=True)
     engine_plan.kv_budget(_generation(copied), sharing_mode(copied), "auto")
     # a 16-bit copy next to the training model's weights: 2 bytes per element, no 4-bit block scales
     assert counted[-1] == dequantized.copy_bytes(copied) == 2 * sum(p.numel() for p in tiny_llama().parameters())
-    copied = _quantized_peft_model(tmp_path / "bf16storage", **NF4, bnb_4bit_use_double_quant=True,
+    copied = quantized_peft_model(tmp_path / "bf16storage", **NF4, bnb_4bit_use_double_quant=True,
                                    bnb_4bit_quant_storage=torch.bfloat16)
     engine_plan.kv_budget(_generation(copied), sharing_mode(copied), "auto")
     assert counted[-1] == dequantized.copy_bytes(copied) and statistics_bytes(copied) == 0
-    shared = _quantized_peft_model(tmp_path / "nf4", **NF4, bnb_4bit_use_double_quant=True)
+    shared = quantized_peft_model(tmp_path / "nf4", **NF4, bnb_4bit_use_double_quant=True)
     engine_plan.kv_budget(_generation(shared), sharing_mode(shared), "auto")
     frozen = sum(p.numel() * p.element_size() for p in shared.parameters() if not p.requires_grad)
     assert counted[-1] == frozen + statistics_bytes(shared) and statistics_bytes(shared) > 0
@@ -221,7 +221,7 @@ def test_metrics_report_the_separate_copy():
 def test_copy_loads_the_dequantized_weights_and_leaves_the_training_ones(tmp_path, monkeypatch, quantization):
     from trl_turbo.testing.vllm_checks import copy_mismatches
 
-    model = _quantized_peft_model(tmp_path, dtype=torch.bfloat16, **COPIED[quantization][0])
+    model = quantized_peft_model(tmp_path, dtype=torch.bfloat16, **COPIED[quantization][0])
     stand_in = StandInVllmModel(tiny_llama(torch.bfloat16))  # vLLM's 16-bit layout of the same model
     monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
     monkeypatch.setattr(vllm_engine, "engine_dtype", lambda llm: torch.bfloat16)

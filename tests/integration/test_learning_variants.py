@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_learning import CAP, _make_model_stop_early
+from helpers import CAP, make_model_stop_early
 
 from trl_turbo.tasks.arithmetic import make_length_reward
 from trl_turbo.testing import parity
@@ -37,7 +37,7 @@ def _train(tmp_path, learning_rate: float, **config) -> tuple[list[float], list[
     torch.manual_seed(0)
     trainer = parity.build_trainer(kwargs, reward_funcs=[make_length_reward(CAP)],
                                    model_kwargs={"tie_word_embeddings": False})
-    _make_model_stop_early(trainer.model)
+    make_model_stop_early(trainer.model)
     trainer.train()
     logs = [log for log in trainer.state.log_history if "reward" in log]
     return [log["reward"] for log in logs], [log["completions/mean_length"] for log in logs]

@@ -317,12 +317,12 @@ def test_sampling_field_is_validated_at_config_time(tmp_path):
 
 def test_shared_4bit_weights_sample_through_lora_slots(tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
-    from test_vllm_sharing_4bit import _quantized_peft_model
+    from helpers import quantized_peft_model
 
     from trl_turbo.vllm import engine_plan
     from trl_turbo.vllm.sharing import sharing_mode
 
-    model = _quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_compute_dtype=torch.bfloat16)
     sharing = sharing_mode(model)
     assert sharing.mode == "shared"

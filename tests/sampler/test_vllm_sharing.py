@@ -21,62 +21,8 @@ from trl_turbo.vllm.kv_budget import (
 )
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
 
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-VOCAB_PADDING = 64
+from helpers import PACKED, StandInVllmModel
 
-
-class StandInVllmModel(torch.nn.Module):
-    """What vLLM 0.24 builds for these families, reduced to the layout: q/k/v and gate/up stacked along rows in
-    `packed_modules_mapping` order, vocabulary padded to a multiple of 64, LoRA-wrapped layers' weights under
-    `.base_layer`, tied heads aliasing the embedding, dummy values until `load_weights`."""
-
-    packed_modules_mapping = PACKED
-
-    def __init__(self, hf_model: torch.nn.Module, shard_order: dict[str, list[str]] = PACKED) -> None:
-        super().__init__()
-        self._order = shard_order
-        self._where: dict[str, tuple[str, int]] = {}
-        shapes: dict[str, list[int]] = {}
-        tied = hf_model.config.tie_word_embeddings
-        # a PEFT-injected model: its base weights, not its adapter
-        hf_state = {n.replace(".base_layer", ""): t for n, t in hf_model.state_dict().items() if "lora_" not in n}
-        for name, tensor in hf_state.items():
-            if tied and name == "lm_head.weight":
-                continue
-            module, _, leaf = name.rpartition(".")
-            parent, _, child = module.rpartition(".")
-            packed = next((p for p, shards in shard_order.items() if child in shards), None)
-            if packed is None:
-                rows = tensor.shape[0]
-                if "embed_tokens" in name or "lm_head" in name:
-                    rows = -(-rows // VOCAB_PADDING) * VOCAB_PADDING
-                shapes[name] = [rows, *tensor.shape[1:]]
-                self._where[name] = (name, 0)
-                continue
-            target = f"{parent}.{packed}.base_layer.{leaf}"
-            shards = [hf_state[f"{parent}.{s}.{leaf}"] for s in shard_order[packed]]
-            before = shard_order[packed].index(child)
-            # like vLLM's loader after LoRA wrapping: only the `.base_layer` name reaches the wrapped parameter
-            self._where[f"{module}.base_layer.{leaf}"] = (target, sum(t.shape[0] for t in shards[:before]))
-            shapes[target] = [sum(t.shape[0] for t in shards), *tensor.shape[1:]]
-        self._params = torch.nn.ParameterDict()
-        for name, shape in shapes.items():
-            self._params[name.replace(".", "__")] = torch.nn.Parameter(
-                torch.empty(shape, dtype=hf_model.dtype).uniform_(-1e-3, 1e-3), requires_grad=False)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        for key, param in self._params.items():
-            yield key.replace("__", "."), param
-
-    def param(self, name: str) -> torch.Tensor:
-        return self._params[name.replace(".", "__")]
-
-    def load_weights(self, weights) -> None:
-        for name, tensor in weights:
-            if name == "lm_head.weight" and "lm_head.weight" not in self._where:  # tied: vLLM skips it
-                continue
-            target, offset = self._where[name]  # KeyError for a name vLLM would not find, as vLLM raises
-            self.param(target).data[offset : offset + tensor.shape[0]].copy_(tensor)
 
 
 def _hf_shapes(model):

@@ -8,9 +8,8 @@ import torch
 
 from trl_turbo.tasks.arithmetic import make_length_reward
 from trl_turbo.testing import parity
-from trl_turbo.testing.tokenizer import EOS_ID
 
-CAP = 16
+from helpers import CAP, make_model_stop_early
 
 
 def _mean_lengths(tmp_path, learning_rate: float, steps: int) -> list[float]:
@@ -21,20 +20,9 @@ def _mean_lengths(tmp_path, learning_rate: float, steps: int) -> list[float]:
     torch.manual_seed(0)
     trainer = parity.build_trainer(config, reward_funcs=[make_length_reward(CAP)],
                                    model_kwargs={"tie_word_embeddings": False})
-    _make_model_stop_early(trainer.model)
+    make_model_stop_early(trainer.model)
     trainer.train()
     return [log["completions/mean_length"] for log in trainer.state.log_history if "completions/mean_length" in log]
-
-
-@torch.no_grad()
-def _make_model_stop_early(model: torch.nn.Module) -> None:
-    """Point the EOS row of the LM head along the mean final hidden state, so a random model ends after ~3 tokens
-    and the probe has room to rise."""
-    weight = model.lm_head.weight
-    ids = torch.randint(3, weight.shape[0], (8, 24), generator=torch.Generator().manual_seed(0))
-    hidden = model(ids, output_hidden_states=True).hidden_states[-1].reshape(-1, weight.shape[1])
-    direction = hidden.mean(0)
-    weight[EOS_ID] += 3.0 * direction / direction.pow(2).sum()
 
 
 def test_length_reward_saturates_at_the_cap(tmp_path):

@@ -507,7 +507,7 @@ def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
 def test_liger_layers_install_under_tiles_and_undo():
-    # Only the wiring runs on CPU (Liger's kernels need CUDA; tests/test_liger_layers.py runs them on the GPU)
+    # Only the wiring runs on CPU (Liger's kernels need CUDA; tests/ops/test_liger_layers.py runs them on the GPU)
     import trl_turbo
     from trl_turbo.ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
     from trl_turbo.patches.transformers_checkpointing import install_lean_norms, install_liger_layers, \

@@ -163,6 +163,8 @@ def test_reused_policy_logps_equal_stock_with_separate_old_forward(tmp_path, mod
     metrics = trainer._metrics["train"]
     assert metrics["sampling/importance_sampling_ratio/mean"], "IS metrics must still be logged"
     assert metrics["sampling/sampling_logp_difference/max"][-1] > 0
+    mean, p95, most = (metrics[f"sampling/sampling_logp_difference/{k}"][-1] for k in ("mean", "p95", "max"))
+    assert 0 < mean and 0 < p95 <= most
 
 
 def test_reuse_rule(tmp_path):

@@ -69,9 +69,12 @@ def log_sampling_metrics(trainer: Any, mode: str, trainer_logps, sampling_logps,
     zero = torch.tensor(0.0, device=device)
     mean_delta = torch.mean(delta) if delta.numel() > 0 else zero
     max_delta = torch.max(delta) if delta.numel() > 0 else zero
+    p95_delta = torch.quantile(delta.float(), 0.95) if 0 < delta.numel() <= 2**24 else max_delta
     metrics = trainer._metrics[mode]
     metrics["sampling/sampling_logp_difference/mean"].append(accelerator.gather(mean_delta).mean().item())
     metrics["sampling/sampling_logp_difference/max"].append(accelerator.gather(max_delta).max().item())
+    # trl_turbo's addition (the rollout check's tail): each rank's 95th percentile, averaged over ranks
+    metrics["sampling/sampling_logp_difference/p95"].append(accelerator.gather(p95_delta).mean().item())
     flat = ratio.flatten() if sequence_level else ratio[bool_mask]
     has = flat.numel() > 0
     metrics["sampling/importance_sampling_ratio/min"].append(

@@ -97,3 +97,15 @@ def make_model_stop_early(model: torch.nn.Module) -> None:
     hidden = model(ids, output_hidden_states=True).hidden_states[-1].reshape(-1, weight.shape[1])
     direction = hidden.mean(0)
     weight[EOS_ID] += 3.0 * direction / direction.pow(2).sum()
+
+
+def assert_fused_equals_stock(trainer, stock_inputs: dict, turbo_inputs: dict) -> None:
+    """Stock TRL's loss and gradients on `stock_inputs` equal trl_turbo's fused loss on `turbo_inputs`."""
+    from trl_turbo.testing import parity
+
+    stock_loss, stock_grads = parity.loss_and_grads(trainer, stock_inputs, fused=False)
+    turbo_loss, turbo_grads = parity.loss_and_grads(trainer, turbo_inputs, fused=True)
+    torch.testing.assert_close(turbo_loss, stock_loss, rtol=2e-5, atol=1e-7)
+    assert stock_grads and stock_grads.keys() == turbo_grads.keys()
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(turbo_grads[name], grad, rtol=2e-5, atol=1e-7)

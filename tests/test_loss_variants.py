@@ -21,6 +21,8 @@ from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
 from trl_turbo.testing.tolerance import assert_within_naive_error
 
+from helpers import assert_fused_equals_stock
+
 # A 2×2 batch: row 0 has A = +1, row 1 has A = −1; N = 4 valid tokens; global_token_mean divides by N.
 LOGPS = [[-1.0, -2.0], [-0.5, -1.0]]
 ADVANTAGES = [1.0, -1.0]
@@ -177,13 +179,7 @@ def test_geometric_is_mode_in_the_patched_loss(tmp_path, mode):
         inputs["old_per_token_logps"], inputs["sampling_per_token_logps"], mask, mode, 0.5, 1.5
     )
     # Stock TRL's loss given the ratio from outside equals trl_turbo's loss computing it from old log-probs
-    stock_loss, stock_grads = parity.loss_and_grads(trainer, dict(inputs, importance_sampling_ratio=expected_ratio),
-                                                    fused=False)
-    turbo_loss, turbo_grads = parity.loss_and_grads(trainer, inputs, fused=True)
-    torch.testing.assert_close(turbo_loss, stock_loss, rtol=2e-5, atol=1e-7)
-    assert stock_grads and stock_grads.keys() == turbo_grads.keys()
-    for name, grad in stock_grads.items():
-        torch.testing.assert_close(turbo_grads[name], grad, rtol=2e-5, atol=1e-7)
+    assert_fused_equals_stock(trainer, dict(inputs, importance_sampling_ratio=expected_ratio), inputs)
     metrics = trainer._metrics["train"]
     for name in ("raw_importance_sampling_ratio/p95", "raw_geometric_sequence_importance_sampling_ratio/mean",
                  "sampler_trainer_kl", "is_truncated_fraction" if mode.endswith("truncate") else "is_masked_fraction"):

@@ -46,6 +46,11 @@ def on_restore(callback) -> None:
             _restore_callbacks.append(callback)
 
 
+def _own_value(owner: Any, name: str) -> Any:
+    """What `owner` itself holds at `name` (`_MISSING` when the attribute comes from its class or is absent)."""
+    return owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+
+
 def set_attr(owner: Any, name: str, value: Any, *, weak: bool = False) -> None:
     """Set `owner.name = value`, remembering the original for `restore_all()` (`weak`: do not keep `owner` alive)."""
     with lock:
@@ -55,7 +60,7 @@ def set_attr(owner: Any, name: str, value: Any, *, weak: bool = False) -> None:
                 if record.value is value:
                     return
                 raise RuntimeError(f"trl_turbo: {owner!r}.{name} is already patched with another value")
-        original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        original = _own_value(owner, name)
         setattr(owner, name, value)
         _records.append(_Record(weakref.ref(owner) if weak else owner, weak, name, original, value))
 
@@ -113,7 +118,7 @@ def restore_all() -> None:
 def scoped(owner: Any, name: str, value: Any) -> Iterator[None]:
     """`owner.name = value` inside the block; what was there before comes back however the block ends."""
     with lock:
-        previous = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        previous = _own_value(owner, name)
         setattr(owner, name, value)
         record = _Record(owner, False, name, previous, value)
         _scoped.append(record)

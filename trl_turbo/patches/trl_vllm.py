@@ -4,8 +4,8 @@ adapters as tensors, KV standby.
 Seams, all methods of `VLLMGeneration`:
 - `_init_vllm`: for the duration of the call, the module attribute `LLM` it constructs from gets extra arguments:
   the training dtype (`turbo_vllm_match_precision`: TRL would leave a bf16 sampler under fp16 training, the
-  mismatch arXiv 2510.26788 removes), one LoRA slot and dummy weights (shared weights), CuMem pools and a KV budget
-  (standby), the KV dtype. With shared weights the HF model's frozen matrices wait on the host during the call;
+  mismatch arXiv 2510.26788 removes), dummy weights (shared weights; one LoRA slot for "lora" sampling, none for
+  "merged"), CuMem pools and a KV budget (standby), the KV dtype. With shared weights the HF model's frozen matrices wait on the host during the call;
   after it they are copied into vLLM once and become views of vLLM's, and the KV cache is released. A 4-bit
   (bitsandbytes) model goes in while the engine is built instead: vLLM is told the HF quantization config and its
   bitsandbytes loader is fed the training model's packed bytes and quantization states. A model that cannot share
@@ -73,7 +73,7 @@ def _wrap_init_vllm(original):
 
             feeding = contextlib.nullcontext()
             if sharing is not None and kwargs.get("quantization") == "bitsandbytes":
-                    feeding = vllm_engine.feeding_4bit_weights(self.model)
+                feeding = vllm_engine.feeding_4bit_weights(self.model)
             with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
                 result = original(self)
             if sharing is not None or setting(config, "turbo_vllm_standby"):

@@ -98,8 +98,7 @@ def logprob_gaps(trainer: Any, prompts: int = 8, tokens: int = 8) -> tuple[float
     token_ids = [[3 + (7 * i + j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
     # merged sampling: the adapter is in vLLM's weights for this block only
     with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
-        state.standby.restore()
-        generation.llm.reset_prefix_cache()
+        state.standby.restore()  # also resets the prefix cache: blocks of other weights are not reused
         outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
                                           SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
                                                          ignore_eos=True, seed=0),

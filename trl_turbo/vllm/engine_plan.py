@@ -10,7 +10,6 @@ decides, and `trl_turbo.vllm.engine` is the one module that reaches into vLLM.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 
 from .. import versions
 from ..config import TurboFields
+from ..distributed import local_process_count
 from ..host_memory import available_host_bytes
 from .adapter import adapter_problems, lora_engine_kwargs
 from .dequantized import copy_bytes
@@ -152,8 +152,7 @@ def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> st
         problems.append("the base weights are bitsandbytes 4-bit, which cannot hold a merged adapter")
     else:
         problems += merge_problems(model, adapter)
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        host = host_copy_problem(adapted_weight_bytes(model, adapter), processes, available_host_bytes())
+        host = host_copy_problem(adapted_weight_bytes(model, adapter), local_process_count(), available_host_bytes())
         if host is not None:
             problems.append(host)
     mode = choose_sampling(requested, problems)
@@ -164,8 +163,8 @@ def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> st
     return mode
 
 
-def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None, sampling: str | None = None
-                   ) -> dict[str, Any]:
+def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
+                  sampling: str | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     dtype = vllm_dtype(generation, config)
     if dtype is not None:

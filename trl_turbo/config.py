@@ -22,7 +22,7 @@ from .grpo.rollout_check import ROLLOUT_CHECK_MODES
 from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec, validate_loss_options
 
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-VLLM_SAMPLING_MODES = ("auto", "merged", "lora")
+VLLM_SAMPLING_MODES = ("auto", "merged", "fp8", "lora")
 # The loss spec's defaults are the defaults of the loss fields below (one source).
 _LOSS_DEFAULTS = LossSpec()
 # Loss fields that act in some loss types only -> those loss types.
@@ -194,7 +194,14 @@ class TurboFields:
             "'merged' for 16-bit models whose adapter is on linear layers and whose host copy fits in half the "
             "host's available memory (over all processes of the host), else 'lora'. Asking for 'merged' where it "
             "cannot serve (4-bit or separately copied weights, adapted embeddings or tied layers, host memory) "
-            "samples with 'lora' and warns with the reason."
+            "samples with 'lora' and warns with the reason. 'fp8' (opt-in, Hopper or newer): vLLM's linear layers "
+            "hold an fp8 (e4m3, one scale per tensor) copy of W + scaling*B@A, written before each generation by "
+            "one Triton kernel from the training model's base weights (16-bit, or bitsandbytes 4-bit dequantized "
+            "one matrix at a time) and the live adapter; the training model's weights are only read, and with "
+            "turbo_vllm_standby the fp8 copy is unmapped with the KV cache while training runs. It samples from a "
+            "quantized policy, so it requires vllm_importance_sampling_correction=True; combine with "
+            "turbo_vllm_kv_cache_dtype='fp8'. Where 'fp8' cannot serve (adapted embeddings or tied layers, 8-bit "
+            "models, no fp8 GPU) the run is refused before the model loads."
         },
     )
     turbo_rollout_check: str = field(
@@ -408,6 +415,10 @@ def _validate_vllm(args: Any) -> None:
     if args.turbo_vllm_sampling not in VLLM_SAMPLING_MODES:
         raise ValueError(f"`turbo_vllm_sampling={args.turbo_vllm_sampling!r}` is not one of "
                          f"{', '.join(VLLM_SAMPLING_MODES)}.")
+    if args.turbo_vllm_sampling == "fp8" and not args.vllm_importance_sampling_correction:
+        raise ValueError("`turbo_vllm_sampling='fp8'` samples from an fp8-quantized policy; the trainer must correct "
+                         "for the gap with importance sampling: set `vllm_importance_sampling_correction=True` (TRL's "
+                         "default), or use `turbo_vllm_sampling='merged'`.")
     if args.turbo_vllm_sampling != "auto" and not args.turbo_vllm_shared_weights:
         raise ValueError(f"`turbo_vllm_sampling={args.turbo_vllm_sampling!r}` chooses how the shared-weight engine "
                          "samples; set `turbo_vllm_shared_weights=True` with it, or leave it at 'auto'.")

@@ -44,6 +44,8 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {"vllm_enable_sleep_mode": True},
     "turbo": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True},  # merged sampling (the default)
     "turbo-lora": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "lora"},
+    "turbo-fp8": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "fp8",
+                  "turbo_vllm_kv_cache_dtype": "fp8"},
 }
 # Named workloads: `anchor` is the shape every earlier e2e file measured (one prompt's group per step); `realistic`
 # is a GRPO batch as users run it: 8 prompts x 8 generations of 2048 tokens per step, trained in micro-batches of 16.
@@ -205,7 +207,8 @@ def cumem_pools() -> dict[str, float]:
 _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "vllm/weight_sync_s",
            "vllm/generation_s", "vllm/kv_released_gib", "vllm/kv_restored_gib", "memory/device_peak_gib/max",
            "vllm/generation_used_gib", "sampling/sampling_logp_difference/mean",
-           "sampling/importance_sampling_ratio/mean")
+           "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/p95", "vllm/merge_s",
+           "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib")
 
 
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +268,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["liger_layers"] = variant != "stock" and liger_layers_enabled(trainer.args)  # resolved from auto
             engine = getattr(trainer.vllm_generation, "_trl_turbo_engine", None)
             row["sampling"] = (None if engine is None else "merged" if engine.merged is not None
+                               else "fp8" if engine.fp8 is not None
                                else "lora" if engine.adapters is not None else None)
             row.update(weight_accounting(trainer))
             row.update(cumem_pools())

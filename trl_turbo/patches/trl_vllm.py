@@ -43,6 +43,7 @@ from ..vllm.engine_plan import (
     engine_sharing,
     setting,
 )
+from ..vllm.fp8 import FP8, Fp8Sampling
 from ..vllm.merge import MERGED, MergedSampling
 from ..vllm.sharing import SHARED, Sharing
 from .. import registry
@@ -59,7 +60,7 @@ def _wrap_init_vllm(original):
         sharing = engine_sharing(self, config)
         sampling = engine_sampling(self, config, sharing)
         parked = None
-        if sharing is not None and sharing.mode == SHARED:
+        if sharing is not None and sharing.mode == SHARED and sampling != FP8:
             parked = vllm_engine.ParkedWeights(self.model)  # one copy on the device even while vLLM starts
         try:
             kwargs = engine_kwargs(self, config, sharing, sampling)
@@ -109,7 +110,16 @@ def _module_attributes(module: Any, attributes: dict[str, Any]):
 def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: Sharing | None,
                            sampling: str | None) -> None:
     state = EngineState()
-    if sharing is not None:
+    release_with_kv = []
+    if sampling == FP8:
+        model = generation.model
+        fp8 = vllm_engine.fp8_tensors(generation.llm)
+        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, model, None,
+                                                            generation.accelerator.device, fp8=fp8)
+        views = vllm_engine.plan_views(generation.llm, model.get_base_model(), fp8)[2]
+        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(generation.llm))
+        release_with_kv = [tensor.rows for tensor in fp8.values()]
+    elif sharing is not None:
         if sharing.mode == SHARED:
             state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked,
                                                                 generation.accelerator.device)
@@ -121,7 +131,7 @@ def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: S
         else:
             state.adapters = vllm_engine.TensorAdapters(generation.llm)
     if config.turbo_vllm_standby:
-        state.standby = vllm_engine.KVStandby(generation.llm)
+        state.standby = vllm_engine.KVStandby(generation.llm, also_release=release_with_kv)
         state.standby.release()
     generation._trl_turbo_engine = state
 
@@ -132,8 +142,8 @@ def _wrap_sync_weights(original):
     def sync_weights(self):
         state = getattr(self, "_trl_turbo_engine", None)
         start = time.perf_counter()
-        if state is not None and state.merged is not None:
-            result = None  # the base is shared and never changes; the adapter is merged at each generation
+        if state is not None and (state.merged is not None or state.fp8 is not None):
+            result = None  # the base never changes; the adapter is merged (or quantized in) at each generation
         elif state is None or state.adapters is None:
             result = original(self)
         else:
@@ -170,8 +180,12 @@ def _wrap_generate(original):
                     self.llm.reset_prefix_cache()  # cached blocks were computed with other weights
             if state.standby is not None:
                 state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB  # also resets the prefix cache
+            if state.fp8 is not None:  # after the restore: standby maps the fp8 copy back with the KV cache, empty
+                state.fp8.write()
+                if state.standby is None:
+                    self.llm.reset_prefix_cache()
             adapter = contextlib.nullcontext()
-            if state.lora_request is not None and merged is None:  # TRL's `llm.generate` call carries the adapter
+            if state.lora_request is not None:  # TRL's `llm.generate` call carries the adapter
                 adapter = registry.scoped(self.llm, "generate",
                                           functools.partial(self.llm.generate, lora_request=state.lora_request))
             try:

@@ -99,6 +99,8 @@ def logprob_gaps(trainer: Any, prompts: int = 8, tokens: int = 8) -> tuple[float
     # merged sampling: the adapter is in vLLM's weights for this block only
     with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
         state.standby.restore()  # also resets the prefix cache: blocks of other weights are not reused
+        if state.fp8 is not None:  # fp8 sampling: the copy is written from the live adapter after the restore
+            state.fp8.write()
         outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
                                           SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
                                                          ignore_eos=True, seed=0),
@@ -179,7 +181,7 @@ def sampling_mode(trainer: Any) -> str:
     from trl_turbo.vllm.engine import driver_model
 
     state = trainer.vllm_generation._trl_turbo_engine
-    mode = "merged" if state.merged is not None else "lora"
+    mode = "merged" if state.merged is not None else "fp8" if state.fp8 is not None else "lora"
     lora_layers = any(".base_layer." in name for name, _ in driver_model(trainer.vllm_generation.llm).named_parameters())
     if lora_layers != (mode == "lora"):
         raise AssertionError(f"{mode} sampling, but vLLM's model {'has' if lora_layers else 'has no'} LoRA layers")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -129,44 +129,103 @@ def _expected_lora_modules(adapter_manager: Any) -> set[str]:
 
 
 class KVStandby:
-    """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees."""
+    """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees.
 
-    def __init__(self, llm: Any) -> None:
+    With `also_release` (the fp8 sampling copy's tensors) the weight-pool allocations that hold nothing but those
+    tensors are unmapped and mapped back with the KV cache; their contents are lost, so the owner rewrites them after
+    each `restore`. An allocation that also holds anything else stays mapped (`resident_bytes` of the tensors)."""
+
+    def __init__(self, llm: Any, also_release: Iterable[torch.Tensor] = ()) -> None:
         from vllm.device_allocator.cumem import CuMemAllocator
 
         self._llm = llm
         self._allocator = CuMemAllocator.get_instance()
         self.released = False
-        self.bytes = sum(d.handle[1] for d in self._kv_allocations())
-        if self.bytes == 0:
+        self.kv_bytes = sum(d.handle[1] for d in self._kv_allocations())
+        if self.kv_bytes == 0:
             raise RuntimeError("trl_turbo: vLLM allocated no KV cache from its sleep-mode pool; the engine must be "
                                "built with `enable_sleep_mode=True`.")
+        tensors = list(also_release)
+        self._weight_allocations = self._allocations_holding_only(tensors)
+        released = sum(d.handle[1] for d in self._weight_allocations)
+        self.resident_bytes = max(0, sum(t.untyped_storage().nbytes() for t in tensors) - released)
+        self.bytes = self.kv_bytes + released
 
     def _kv_allocations(self) -> list[Any]:
         return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
 
+    def _allocations_holding_only(self, tensors: list[torch.Tensor]) -> list[Any]:
+        """The weight-pool allocations whose live blocks all start a storage of `tensors` (from the pool's own
+        snapshot, so nothing else vLLM allocated there is ever unmapped)."""
+        pool = self._allocator.allocator_and_pools.get("weights")
+        if not tensors or pool is None:
+            return []
+        owned = {t.untyped_storage().data_ptr() for t in tensors}
+        allocations = []
+        for segment in pool[0].snapshot():
+            live = [b for b in segment["blocks"] if b["state"] != "inactive"]
+            data = self._allocator.pointer_to_data.get(segment["address"])
+            if live and data is not None and all(b["address"] in owned for b in live):
+                allocations.append(data)
+        return allocations
+
     def release(self) -> int:
-        """Unmap the KV cache (its contents are discarded); returns the bytes freed."""
+        """Unmap the KV cache (its contents are discarded), and the fp8 copy's allocations; returns the bytes freed."""
         from vllm.device_allocator.cumem import unmap_and_release
 
         if self.released:
             return 0
         self._llm.reset_prefix_cache()
         torch.cuda.synchronize()
-        for data in self._kv_allocations():
+        for data in self._kv_allocations() + self._weight_allocations:
             unmap_and_release(data.handle)
         self.released = True
         return self.bytes
 
     def restore(self) -> int:
-        """Map the KV cache back at its addresses and reinitialise what lives in it; returns the bytes mapped."""
+        """Map the KV cache (and the fp8 copy's allocations) back at their addresses and reinitialise what lives in
+        the KV cache; returns the bytes mapped."""
+        from vllm.device_allocator.cumem import create_and_map
+
         if not self.released:
             return 0
         self._allocator.wake_up(tags=["kv_cache"])
+        for data in self._weight_allocations:
+            create_and_map(data.handle)
         driver_worker(self._llm).model_runner.post_kv_cache_wake_up()
         self._llm.reset_prefix_cache()
         self.released = False
         return self.bytes
+
+
+# ------------------------------------------------------------------------------------------------ fp8 weights
+def fp8_tensors(llm: Any) -> dict[str, Any]:
+    """vLLM's fp8 linear weights (online per-tensor fp8, `quantization="fp8"`) by parameter name, each as an
+    `Fp8Tensor` of its [out, in] rows and its one-element scale. Raises LayoutMismatch for any other fp8 layout."""
+    from .fp8 import FP8_DTYPE, Fp8Tensor
+    from .weight_views import LayoutMismatch, vllm_weight_name
+
+    tensors = {}
+    for name, module in driver_model(llm).named_modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is None or weight.dtype != FP8_DTYPE:
+            continue
+        out_features = getattr(module, "output_size_per_partition", None)
+        in_features = getattr(module, "input_size_per_partition", None)
+        weight = weight.detach()
+        rows = weight.t() if weight.t().is_contiguous() and not weight.is_contiguous() else weight
+        scale = getattr(module, "weight_scale", None)
+        method = type(getattr(module, "quant_method", None)).__name__
+        if (method != "Fp8PerTensorOnlineLinearMethod" or tuple(rows.shape) != (out_features, in_features)
+                or not rows.is_contiguous() or scale is None or scale.numel() != 1 or scale.dtype != torch.float32):
+            raise LayoutMismatch(
+                f"vLLM's fp8 layer {name} ({method}, weight {tuple(weight.shape)} strides {weight.stride()}, scale "
+                f"{None if scale is None else tuple(scale.shape)}) is not the per-tensor online fp8 layout "
+                "`turbo_vllm_sampling='fp8'` writes; use `turbo_vllm_sampling='merged'`.")
+        tensors[vllm_weight_name(f"{name}.weight")] = Fp8Tensor(rows, scale.detach())
+    if not tensors:
+        raise LayoutMismatch("vLLM built no fp8 linear layers although `quantization='fp8'` was asked for")
+    return tensors
 
 
 # ------------------------------------------------------------------------------------------- shared weights
@@ -217,6 +276,25 @@ def _base(model: Any) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def plan_views(llm: Any, base: torch.nn.Module, fp8: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """(frozen HF matrices by name, vLLM's parameters by name, the views from one to the other). vLLM's fp8 weights
+    (`fp8`, name -> `Fp8Tensor`) are planned by their [out, in] rows, and 4-bit HF weights then by the matrix they
+    stand for."""
+    from .dequantized import dequantized_shape
+    from .weight_views import plan_shared_views, vllm_weight_name
+
+    vllm_model = driver_model(llm)
+    frozen = _frozen_matrix_weights(base)
+    vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
+    shapes = {name: tuple(p.shape) for name, p in vllm_params.items()}
+    for name, tensor in (fp8 or {}).items():
+        shapes[name] = tuple(tensor.rows.shape)
+    shape_of = dequantized_shape if fp8 else (lambda weight: weight.shape)  # shared 4-bit: packed on both sides
+    views = plan_shared_views({name: tuple(shape_of(w)) for name, w in frozen.items()}, shapes,
+                              getattr(vllm_model, "packed_modules_mapping", {}))
+    return frozen, vllm_params, views
+
+
 class ParkedWeights:
     """The frozen matrices of the training model, moved to host memory while vLLM allocates its own weights, so the
     device never holds two copies. `share_base_weights` points them at vLLM's tensors; `unpark` brings back any that
@@ -238,27 +316,27 @@ class ParkedWeights:
 
 
 def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None = None,
-                       training_device: torch.device | None = None) -> int:
+                       training_device: torch.device | None = None,
+                       fp8: Mapping[str, Any] | None = None) -> int:
     """Load the HF weights into vLLM, then make the HF model's frozen matrices views of vLLM's tensors (checked
     equal first). With `parked` weights (on the host for now) the views must sit on their home device. A model still
     on the host (DeepSpeed and FSDP move it to `training_device` only when training starts) gets views on
-    `training_device`; the move then leaves them in place. Returns the bytes now held once instead of twice."""
+    `training_device`; the move then leaves them in place. With `fp8` (vLLM's fp8 weights, `fp8_tensors`) the HF
+    matrices that fill them are neither loaded nor shared: the training model keeps them, and `Fp8Sampling` writes
+    vLLM's fp8 copy from them. Returns the bytes now held once instead of twice."""
     from .quantized import four_bit_weights
-    from .weight_views import LayoutMismatch, plan_shared_views, view_of, vllm_weight_name
+    from .weight_views import LayoutMismatch, view_of
 
     base = _base(peft_model)
-    vllm_model = driver_model(llm)
-    packed = four_bit_weights(base)
+    frozen, vllm_params, views = plan_views(llm, base, fp8)
+    kept = {view.hf_name for view in views if fp8 and view.vllm_name in fp8}
+    views = [view for view in views if view.hf_name not in kept]
+    packed = {} if fp8 else four_bit_weights(base)
     if not packed:  # 4-bit weights went in while the engine was built (`feeding_4bit_weights`)
-        load_weights(llm, _hf_state_for_vllm(base))
-    frozen = _frozen_matrix_weights(base)
+        # (a kept 4-bit weight's quantization statistics, `<module>.weight.absmax` etc., stay out with it)
+        load_weights(llm, ((name, t) for name, t in _hf_state_for_vllm(base)
+                           if name.partition(".weight")[0] + ".weight" not in kept))
     home = parked.home if parked is not None else {name: weight.device for name, weight in frozen.items()}
-    vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
-    views = plan_shared_views(
-        {name: tuple(w.shape) for name, w in frozen.items()},
-        {name: tuple(p.shape) for name, p in vllm_params.items()},
-        getattr(vllm_model, "packed_modules_mapping", {}),
-    )
     targets = []
     for view in views:
         weight, target = frozen[view.hf_name], view_of(vllm_params[view.vllm_name], view)

@@ -10,6 +10,7 @@ decides, and `trl_turbo.vllm.engine` is the one module that reaches into vLLM.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -20,7 +21,8 @@ from ..config import TurboFields
 from ..distributed import local_process_count
 from ..host_memory import available_host_bytes
 from .adapter import adapter_problems, lora_engine_kwargs
-from .dequantized import copy_bytes
+from .dequantized import copy_bytes, dequantized_shape
+from .fp8 import FP8, Fp8Sampling, hf_linear_modules
 from .kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
@@ -46,6 +48,7 @@ from .quantized import (
 from .sharing import COPY, SHARED, Sharing, copy_reasons, fallback_warning, sharing_mode
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+FP8_BYTES = 1
 _GIB = 2**30
 
 
@@ -90,6 +93,11 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
                          f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
     quantization = _quantization(model, config, quantization_config)
     reasons = copy_reasons(quantization, _model_type(model, config))
+    if setting(config, "turbo_vllm_sampling") == FP8:
+        problems = fp8_problems(reasons, adapter, _fp8_capability())
+        if problems:
+            raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot serve this run: {'; '.join(problems)}. Use "
+                             "`turbo_vllm_sampling='merged'` (16-bit models) or 'lora'.")
     if reasons:
         warnings.warn(fallback_warning(reasons, quantization is not None), RuntimeWarning, stacklevel=4)
     elif quantization is not None:  # shared 4-bit weights: vLLM's 4-bit layers compute in bf16
@@ -107,6 +115,29 @@ def _quantization(model: Any, config: Any, quantization_config: Any = None) -> d
     if chosen is not None:
         return quantization_config_dict(chosen)
     return quantization_config_dict(getattr(_hf_config(model, config), "quantization_config", None))
+
+
+def _fp8_capability() -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def fp8_problems(copy_reasons: list[str], adapter: Any, capability: tuple[int, int] | None) -> list[str]:
+    """Why `turbo_vllm_sampling='fp8'` cannot serve a run (empty: it can), known before the model loads: vLLM's fp8
+    layers need an fp8 GPU (compute capability 8.9+); the fp8 copy is written from weights whose layout trl_turbo
+    maps (16-bit or bitsandbytes 4-bit: `copy_reasons` must be empty); and the adapter must sit on linear layers vLLM
+    quantizes (not embeddings or the LM head, which vLLM keeps in 16 bits)."""
+    problems = []
+    if capability is None or capability < (8, 9):
+        problems.append("vLLM's fp8 layers need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell)"
+                        + ("" if capability is None else f"; this one is {capability[0]}.{capability[1]}"))
+    problems += copy_reasons
+    targets = getattr(adapter, "target_modules", None) or ()
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unquantized = sorted({t for t in targets if any(k in t for k in ("embed", "lm_head", "wte"))})
+    unquantized += sorted(getattr(adapter, "modules_to_save", None) or ())
+    if unquantized:
+        problems.append(f"the adapter adapts or trains {unquantized}, which vLLM keeps in 16 bits, unquantized")
+    return problems
 
 
 def _model_type(model: Any, config: Any) -> str | None:
@@ -143,6 +174,8 @@ def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> st
     if sharing is None:
         return None
     requested = setting(config, "turbo_vllm_sampling")
+    if requested == FP8:  # refused before the model loaded where it cannot serve (`check_trainer_inputs`)
+        return FP8
     model = generation.model
     adapter = model.active_adapter
     problems = []
@@ -175,10 +208,16 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
         kwargs["kv_cache_dtype"] = config.turbo_vllm_kv_cache_dtype
     if sharing is not None:
         peft_model = generation.model
-        if sampling != MERGED:  # merged sampling runs vLLM's plain layers: no LoRA slots, no LoRA ops in its graphs
+        if sampling not in (MERGED, FP8):  # vLLM's plain (or fp8) layers: no LoRA slots, no LoRA ops in its graphs
             kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
         quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
-        if sharing.mode == SHARED and four_bit_weights(peft_model):
+        if sampling == FP8:
+            # vLLM quantizes its linear layers to fp8 online (dummy values first; `Fp8Sampling` writes them)
+            kwargs.update(load_format="dummy", quantization="fp8")
+            kwargs.setdefault("dtype", _sixteen_bit(_compute_dtype(peft_model)))
+            if quantization is not None:  # never the checkpoint's own quantization config
+                kwargs["hf_overrides"] = {"quantization_config": None}
+        elif sharing.mode == SHARED and four_bit_weights(peft_model):
             # vLLM's bitsandbytes loader takes the training model's 4-bit weights (`feeding_4bit_weights`); the HF
             # quantization config tells vLLM how they are quantized
             kwargs["quantization"] = "bitsandbytes"
@@ -186,7 +225,7 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
                 "quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}
         else:
             kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
-        if sharing.mode == COPY:
+        if sharing.mode == COPY and sampling != FP8:
             kwargs["dtype"] = dtype or _sixteen_bit(peft_model.dtype)
             kwargs["quantization"] = None  # TRL passes "bitsandbytes" for a 4-bit model
             if quantization is not None:
@@ -195,9 +234,14 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
     if setting(config, "turbo_vllm_standby"):
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
         if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
-            kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing,
-                                                         setting(config, "turbo_vllm_kv_cache_dtype"))
+            kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing, setting(config, "turbo_vllm_kv_cache_dtype"),
+                                                         sampling)
     return kwargs
+
+
+def _compute_dtype(model: Any) -> torch.dtype:
+    """The dtype a (possibly 4-bit) model computes in: its first floating-point parameter's."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
 
 
 def _sixteen_bit(dtype: torch.dtype) -> str:
@@ -210,7 +254,7 @@ def _trl_default(config: Any, name: str) -> Any:
     return type(config).__dataclass_fields__[name].default
 
 
-def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str) -> int:
+def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None) -> int:
     model = generation.model
     free, total = torch.cuda.mem_get_info(generation.accelerator.device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -228,17 +272,26 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str) -> 
         per_token_bytes=per_token,
     )
     return auto_kv_cache_bytes(
-        free_bytes=free, total_bytes=total, vllm_weight_bytes=_vllm_weight_bytes(model, sharing),
+        free_bytes=free, total_bytes=total, vllm_weight_bytes=_vllm_weight_bytes(model, sharing, sampling),
         trainable_params=trainable,
         sampling_workspace_bytes=sampling_workspace_bytes(4096, text.vocab_size, text.hidden_size),
         useful_bytes=useful,
     )
 
 
-def _vllm_weight_bytes(model: Any, sharing: Sharing | None) -> int:
+def _vllm_weight_bytes(model: Any, sharing: Sharing | None, sampling: str | None = None) -> int:
     """The device memory vLLM's weights will take beyond what is in use when the KV budget is computed."""
     if sharing is not None and sharing.mode == COPY:  # next to the training model's weights, which stay
         return copy_bytes(model)
+    if sampling == FP8:  # next to the training model's weights (not parked): 1 byte per linear weight, plus its
+        # 16-bit embeddings and LM head until they are shared
+        head = model.get_output_embeddings()
+        linear = {name: m for name, m in hf_linear_modules(model).items() if m is not head}
+        fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in linear.values())
+        linear_ids = {id(m.weight) for m in linear.values()}
+        others = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if not p.requires_grad and id(p) not in linear_ids)
+        return fp8_bytes + others
     # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's
     # engine loads its own copy of the same storage (a 4-bit model is quantized by vLLM too) next to them. Both add
     # vLLM's own fp32 block scales of double-quantized 4-bit weights.
@@ -252,6 +305,7 @@ class EngineState:
     def __init__(self) -> None:
         self.adapters: Any = None
         self.merged: MergedSampling | None = None
+        self.fp8: Fp8Sampling | None = None
         self.standby: Any = None
         self.lora_request: Any = None
         self.shared_bytes = 0
@@ -265,6 +319,10 @@ def drain_metrics(generation: Any) -> dict[str, float]:
     if state is None:
         return {}
     metrics, state.metrics = state.metrics, {}
+    if state.fp8 is not None:
+        metrics.update(state.fp8.take_metrics())
+        if state.standby is not None:
+            metrics["vllm/fp8_resident_gib"] = state.standby.resident_bytes / _GIB
     if state.merged is not None:
         metrics.update(state.merged.take_metrics())
         metrics["vllm/merged_host_copy_gib"] = state.merged.host_bytes / _GIB

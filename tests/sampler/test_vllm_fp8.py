@@ -1,0 +1,247 @@
+"""fp8 sampling (`trl_turbo.vllm.fp8`), on CPU with stand-ins for vLLM's fp8 tensors: every fp8 matrix is written from
+the training model's base weights and live adapter exactly as the fp32 reference quantizes them, the training model is
+never written, an incomplete plan is refused, and the run is refused before the model loads where fp8 cannot serve."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from trl_turbo.ops.merge_fp8 import FP8_DTYPE, MergedShard, reference_merged_fp8
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.vllm.fp8 import Fp8Sampling, Fp8Tensor, hf_linear_modules
+from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _lora_model(target_modules="all-linear", dtype=torch.bfloat16, model=None):
+    model = model or tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, dtype=dtype)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    _randomize_adapter(peft_model, seed=0)
+    return peft_model
+
+
+@torch.no_grad()
+def _randomize_adapter(peft_model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in peft_model.named_parameters():
+        if "lora_" in name:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+
+
+def _stand_in_engine(peft_model, drop: str | None = None):
+    """vLLM's fp8 linear tensors (fused q/k/v and gate/up, as its Llama packs them) and the plan's views onto them."""
+    from trl_turbo.ops.merge_fp8 import FP8_DTYPE as fp8
+
+    modules = hf_linear_modules(peft_model)
+    hf_shapes = {name: tuple(m.weight.shape) if m.weight.dtype != torch.uint8 else tuple(m.weight.quant_state.shape)
+                 for name, m in modules.items() if name != "lm_head.weight"}
+    if drop is not None:
+        hf_shapes.pop(drop)
+    layers = {name.rsplit(".", 3)[0] for name in hf_shapes}  # model.layers.<i>
+    fused = {}
+    for layer in layers:
+        for packed, shards in PACKED.items():
+            group = "self_attn" if packed == "qkv_proj" else "mlp"
+            rows = sum(modules[f"{layer}.{group}.{s}.weight"].out_features for s in shards)
+            cols = modules[f"{layer}.{group}.{shards[0]}.weight"].in_features
+            fused[f"{layer}.{group}.{packed}.weight"] = (rows, cols)
+        for group, single in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+            module = modules[f"{layer}.{group}.{single}.weight"]
+            fused[f"{layer}.{group}.{single}.weight"] = (module.out_features, module.in_features)
+    tensors = {name: Fp8Tensor(torch.zeros(shape, dtype=fp8), torch.zeros(1)) for name, shape in fused.items()}
+    views = plan_shared_views(hf_shapes, fused, PACKED)
+    return tensors, views
+
+
+def _expected(sampling: Fp8Sampling, matrix) -> tuple[torch.Tensor, torch.Tensor]:
+    shards = [sampling._merged_shard(shard) for shard in matrix.shards]
+    shards = [MergedShard(s.weight.clone(), s.b, s.a, s.scaling, s.start) for s in shards]
+    return reference_merged_fp8(shards, matrix.target.rows.shape[0])
+
+
+def test_every_fp8_matrix_is_the_quantized_merge_and_the_trainer_weights_are_untouched():
+    model = _lora_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tensors, views = _stand_in_engine(model)
+    sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+    assert len(sampling.matrices) == 2 * 4 and sampling.copy_bytes == sum(t.rows.numel() for t in tensors.values())
+    sampling.write()
+    for matrix in sampling.matrices:
+        expected, scale = _expected(sampling, matrix)
+        assert torch.equal(matrix.target.rows.view(torch.uint8), expected.view(torch.uint8)), matrix.name
+        assert matrix.target.scale.item() == pytest.approx(scale.item(), rel=1e-6)
+    qkv = sampling.matrices[[m.name for m in sampling.matrices].index("model.layers.0.self_attn.qkv_proj.weight")]
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    merged_q = q.base_layer.weight.float() + q.scaling["default"] * (q.lora_B["default"].weight @ q.lora_A["default"].weight)
+    dequantized = qkv.target.rows[: q.out_features].float() * qkv.target.scale
+    assert (dequantized - merged_q).abs().max() <= merged_q.abs().max() / 8  # fp8 keeps 3 mantissa bits
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    metrics = sampling.take_metrics()
+    assert metrics["vllm/quantize_s"] >= 0 and metrics["vllm/fp8_copy_gib"] > 0
+
+
+def test_the_live_adapter_is_read_at_every_write():
+    model = _lora_model()
+    tensors, views = _stand_in_engine(model)
+    sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+    sampling.write()
+    first = {name: t.rows.clone() for name, t in tensors.items()}
+    _randomize_adapter(model, seed=1)  # an optimizer step
+    sampling.write()
+    for matrix in sampling.matrices:
+        assert not torch.equal(first[matrix.name].view(torch.uint8), matrix.target.rows.view(torch.uint8))
+        assert torch.equal(matrix.target.rows.view(torch.uint8), _expected(sampling, matrix)[0].view(torch.uint8))
+
+
+def test_unadapted_layers_are_quantized_from_the_base_alone():
+    model = _lora_model(target_modules=["q_proj", "v_proj"])
+    tensors, views = _stand_in_engine(model)
+    sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+    sampling.write()
+    down = next(m for m in sampling.matrices if m.name.endswith("layers.1.mlp.down_proj.weight"))
+    assert down.shards[0].lora is None
+    weight = model.base_model.model.model.layers[1].mlp.down_proj.weight
+    expected, _ = reference_merged_fp8([MergedShard(weight.detach(), None, None, 1.0, 0)], weight.shape[0])
+    assert torch.equal(down.target.rows.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_a_plan_that_leaves_rows_unwritten_is_refused():
+    model = _lora_model(target_modules=["q_proj"])
+    tensors, views = _stand_in_engine(model)
+    views = [v for v in views if v.hf_name != "model.layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(LayoutMismatch, match="placeholder"):
+        Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+
+
+def test_an_adapter_on_a_layer_vllm_keeps_in_16_bits_is_refused():
+    model = _lora_model(target_modules=["q_proj", "lm_head"])
+    tensors, views = _stand_in_engine(model)
+    with pytest.raises(LayoutMismatch, match="lm_head"):
+        Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+
+
+def test_4bit_base_weights_are_dequantized_one_matrix_at_a_time(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import dequantize_4bit
+    from helpers import quantized_peft_model
+
+    model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                 bnb_4bit_compute_dtype=torch.bfloat16)
+    _randomize_adapter(model, seed=2)
+    tensors, views = _stand_in_engine(model)
+    sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+    sampling.write()
+    o_proj = model.base_model.model.model.layers[0].self_attn.o_proj
+    matrix = next(m for m in sampling.matrices if m.name == "model.layers.0.self_attn.o_proj.weight")
+    base = dequantize_4bit(o_proj.base_layer.weight.data, o_proj.base_layer.weight.quant_state).to(torch.bfloat16)
+    shard = MergedShard(base, o_proj.lora_B["default"].weight.detach(), o_proj.lora_A["default"].weight.detach(),
+                        float(o_proj.scaling["default"]), 0)
+    assert torch.equal(matrix.target.rows.view(torch.uint8),
+                       reference_merged_fp8([shard], base.shape[0])[0].view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------- refused before the model loads
+def test_fp8_problems_name_what_stands_against_it():
+    from trl_turbo.vllm.engine_plan import fp8_problems
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    assert fp8_problems([], lora, (9, 0)) == []
+    assert any("8.9" in p and "8.0" in p for p in fp8_problems([], lora, (8, 0)))
+    assert any("8.9" in p for p in fp8_problems([], lora, None))
+    assert any("8-bit" in p for p in fp8_problems(["8-bit layers"], lora, (9, 0)))
+    embedded = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"])
+    assert any("embed_tokens" in p for p in fp8_problems([], embedded, (9, 0)))
+    saved = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    assert any("lm_head" in p for p in fp8_problems([], saved, (9, 0)))
+
+
+def test_fp8_needs_importance_sampling_and_shared_weights(tmp_path, monkeypatch):
+    import trl_turbo  # noqa: F401
+    from trl import GRPOConfig
+
+    from trl_turbo import versions
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
+        GRPOConfig(**common, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
+                   vllm_importance_sampling_correction=False)
+    with pytest.raises(ValueError, match="turbo_vllm_shared_weights=True"):
+        GRPOConfig(**common, turbo_vllm_sampling="fp8")
+    monkeypatch.setattr(versions, "unsupported_reason", lambda *args, **kwargs: None)  # as if vLLM 0.24 were here
+    config = GRPOConfig(**common, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8")
+    assert config.turbo_vllm_sampling == "fp8"
+
+
+def test_trainer_inputs_without_an_fp8_gpu_are_refused_before_loading(monkeypatch):
+    from trl_turbo.vllm import engine_plan
+
+    monkeypatch.setattr(engine_plan.versions, "importable", lambda name: True)
+    monkeypatch.setattr(engine_plan, "_fp8_capability", lambda: (8, 0))
+    config = types.SimpleNamespace(use_vllm=True, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
+                                   model_init_kwargs=None)
+    model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        engine_plan.check_trainer_inputs(config, model, LoraConfig(r=4, target_modules="all-linear"))
+    monkeypatch.setattr(engine_plan, "_fp8_capability", lambda: (9, 0))
+    engine_plan.check_trainer_inputs(config, model, LoraConfig(r=4, target_modules="all-linear"))
+
+
+def test_the_fp8_engine_quantizes_online_without_lora_slots():
+    from trl_turbo.vllm import engine_plan
+    from trl_turbo.vllm.sharing import Sharing
+
+    model = _lora_model()
+    generation = types.SimpleNamespace(mode="colocate", model=model, accelerator=types.SimpleNamespace(
+        mixed_precision="bf16", device=torch.device("cpu")), max_num_seqs=8, max_model_length=512,
+        max_completion_length=64)
+    config = types.SimpleNamespace(turbo_vllm_shared_weights=True, turbo_vllm_standby=False,
+                                   turbo_vllm_kv_cache_dtype="fp8", turbo_vllm_sampling="fp8")
+    assert engine_plan.engine_sampling(generation, config, Sharing()) == "fp8"
+    kwargs = engine_plan.engine_kwargs(generation, config, Sharing(), "fp8")
+    assert kwargs["quantization"] == "fp8" and kwargs["load_format"] == "dummy" and "enable_lora" not in kwargs
+    assert kwargs["kv_cache_dtype"] == "fp8" and kwargs["dtype"] == "bfloat16"
+    # vLLM's weights next to the training model's: 1 byte per linear weight plus its 16-bit embeddings, head and norms
+    head = model.get_output_embeddings()
+    fp8_weights = [m.weight for m in hf_linear_modules(model).values() if m is not head]
+    linear = sum(w.numel() for w in fp8_weights)
+    sixteen_bit = sum(p.numel() * 2 for p in model.parameters()
+                      if not p.requires_grad and all(p is not w for w in fp8_weights))
+    assert sixteen_bit > (head.weight.numel() + model.get_input_embeddings().weight.numel()) * 2  # norms too
+    assert engine_plan._vllm_weight_bytes(model, Sharing(), "fp8") == linear + sixteen_bit
+
+
+def test_generation_writes_the_fp8_copy_first_and_never_touches_the_trainer(monkeypatch):
+    from trl_turbo.patches import trl_vllm
+    from trl_turbo.vllm import engine_plan
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 2))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    model = _lora_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tensors, views = _stand_in_engine(model)
+    state = engine_plan.EngineState()
+    state.fp8 = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+    resets = []
+    llm = types.SimpleNamespace(reset_prefix_cache=lambda: resets.append(1))
+    generation = types.SimpleNamespace(_trl_turbo_engine=state, llm=llm,
+                                       accelerator=types.SimpleNamespace(device=torch.device("cpu")))
+    seen = []
+
+    def trl_generate(self, prompts):
+        seen.append(bool(next(iter(tensors.values())).rows.float().abs().sum() > 0))  # written before sampling
+        raise RuntimeError("vLLM failed")
+
+    with pytest.raises(RuntimeError):
+        trl_vllm._wrap_generate(trl_generate)(generation, [[1]])
+    assert seen == [True] and resets == [1]  # the prefix cache was computed with the previous copy
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    assert "vllm/quantize_s" in engine_plan.drain_metrics(generation)
+    sync = trl_vllm._wrap_sync_weights(lambda self: pytest.fail("TRL's full-weight push must not run"))
+    assert sync(generation) is None

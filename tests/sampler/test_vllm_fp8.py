@@ -226,7 +226,8 @@ def test_generation_writes_the_fp8_copy_first_and_never_touches_the_trainer(monk
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     tensors, views = _stand_in_engine(model)
     state = engine_plan.EngineState()
-    state.fp8 = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
+    state.fp8 = Fp8Sampling(model, "default", tensors, views, torch.bfloat16, park_base=True, pin=False)
+    modules = [shard.module for m in state.fp8.matrices for shard in m.shards]
     resets = []
     llm = types.SimpleNamespace(reset_prefix_cache=lambda: resets.append(1))
     generation = types.SimpleNamespace(_trl_turbo_engine=state, llm=llm,
@@ -235,13 +236,57 @@ def test_generation_writes_the_fp8_copy_first_and_never_touches_the_trainer(monk
 
     def trl_generate(self, prompts):
         seen.append(bool(next(iter(tensors.values())).rows.float().abs().sum() > 0))  # written before sampling
+        seen.append(all(m.weight.numel() == 0 for m in modules))  # the 16-bit weights are parked meanwhile
         raise RuntimeError("vLLM failed")
 
     with pytest.raises(RuntimeError):
         trl_vllm._wrap_generate(trl_generate)(generation, [[1]])
-    assert seen == [True] and resets == [1]  # the prefix cache was computed with the previous copy
+    assert seen == [True, True] and resets == [1]  # the prefix cache was computed with the previous copy
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, before[name]), name
     assert "vllm/quantize_s" in engine_plan.drain_metrics(generation)
     sync = trl_vllm._wrap_sync_weights(lambda self: pytest.fail("TRL's full-weight push must not run"))
     assert sync(generation) is None
+
+
+# ------------------------------------------------------------------- 16-bit weights parked while vLLM samples
+def test_parked_weights_leave_the_device_and_come_back_bit_for_bit():
+    model = _lora_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.tensor([[1, 5, 9, 13]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    tensors, views = _stand_in_engine(model)
+    sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16, park_base=True, pin=False)
+    assert sampling.parked_host_bytes >= sum(m.weight.numel() * 2 for s in sampling.matrices for m in
+                                             (shard.module for shard in s.shards))
+    unparked = Fp8Sampling(model, "default", {n: Fp8Tensor(t.rows.clone(), t.scale.clone()) for n, t in tensors.items()},
+                           views, torch.bfloat16)
+    unparked.write()
+    sampling.write()
+    modules = [shard.module for m in sampling.matrices for shard in m.shards]
+    assert all(m.weight.numel() == 0 for m in modules)  # off the device while vLLM samples
+    for matrix, reference in zip(sampling.matrices, unparked.matrices):  # written from the weights before they left
+        assert torch.equal(matrix.target.rows.view(torch.uint8), reference.target.rows.view(torch.uint8))
+    sampling.unpark()
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    sampling.write()  # parked again; anything reaching the model brings them back first
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+    sampling.write()
+    state = model.state_dict()
+    assert all(state[name].shape == before[name].shape for name in before)
+    assert sampling.take_metrics()["vllm/parked_host_gib"] > 0
+    sampling.close()
+
+
+def test_fp8_parks_16_bit_weights_when_the_host_copy_fits(monkeypatch, tmp_path):
+    from trl_turbo.vllm import engine_plan
+
+    model = _lora_model()
+    monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 64 * 2**30)
+    assert engine_plan.fp8_parks_base(model)
+    monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 2**10)
+    with pytest.warns(RuntimeWarning, match="keeps the 16-bit base weights on the device"):
+        assert not engine_plan.fp8_parks_base(model)

@@ -60,6 +60,8 @@ def test_fp8_sampling_never_changes_the_base_weights(run):
     assert run["rollout_alarms"] == 0  # the fp8 gap sets the alarm's floor; healthy steps never trip it
     logs = [log for log in run["trainer"].state.log_history if "vllm/quantize_s" in log]
     assert len(logs) == STEPS and all(log["vllm/fp8_copy_gib"] > 0 for log in logs)
+    # the 16-bit linear weights were parked on the host while vLLM sampled, and brought back every step
+    assert all(log["vllm/parked_host_gib"] > 0 and log["vllm/unpark_s"] > 0 for log in logs)
 
 
 def test_vllm_samples_from_the_live_adapter_through_fp8(run):

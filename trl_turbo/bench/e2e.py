@@ -208,7 +208,7 @@ _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy",
            "vllm/generation_s", "vllm/kv_released_gib", "vllm/kv_restored_gib", "memory/device_peak_gib/max",
            "vllm/generation_used_gib", "sampling/sampling_logp_difference/mean",
            "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/p95", "vllm/merge_s",
-           "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib")
+           "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib", "vllm/unpark_s")
 
 
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from ..vllm.engine_plan import (
     engine_kwargs,
     engine_sampling,
     engine_sharing,
+    fp8_parks_base,
     setting,
 )
 from ..vllm.fp8 import FP8, Fp8Sampling
@@ -117,7 +118,8 @@ def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: S
         state.shared_bytes = vllm_engine.share_base_weights(generation.llm, model, None,
                                                             generation.accelerator.device, fp8=fp8)
         views = vllm_engine.plan_views(generation.llm, model.get_base_model(), fp8)[2]
-        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(generation.llm))
+        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(generation.llm),
+                                park_base=fp8_parks_base(model))
         release_with_kv = [tensor.rows for tensor in fp8.values()]
     elif sharing is not None:
         if sharing.mode == SHARED:
@@ -178,12 +180,15 @@ def _wrap_generate(original):
                 torch.cuda.empty_cache()
                 if state.standby is None:
                     self.llm.reset_prefix_cache()  # cached blocks were computed with other weights
+            if state.fp8 is not None:
+                if state.standby is not None:
+                    state.standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache
+                state.fp8.write()  # parks the training model's 16-bit linear weights on the host as it goes
+                torch.cuda.empty_cache()
+                if state.standby is None:
+                    self.llm.reset_prefix_cache()  # cached blocks were computed with the previous copy
             if state.standby is not None:
                 state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB  # also resets the prefix cache
-            if state.fp8 is not None:  # after the restore: standby maps the fp8 copy back with the KV cache, empty
-                state.fp8.write()
-                if state.standby is None:
-                    self.llm.reset_prefix_cache()
             adapter = contextlib.nullcontext()
             if state.lora_request is not None:  # TRL's `llm.generate` call carries the adapter
                 adapter = registry.scoped(self.llm, "generate",
@@ -199,6 +204,8 @@ def _wrap_generate(original):
         finally:
             if merged is not None:
                 merged.restore()  # first thing after vLLM is done with the weights, on every way out
+            if state.fp8 is not None:
+                state.fp8.unpark()  # after the KV cache and the fp8 copy are released
             state.metrics["vllm/generation_s"] = time.perf_counter() - start
             torch.cuda.reset_peak_memory_stats(device)
 

@@ -150,6 +150,7 @@ class KVStandby:
         released = sum(d.handle[1] for d in self._weight_allocations)
         self.resident_bytes = max(0, sum(t.untyped_storage().nbytes() for t in tensors) - released)
         self.bytes = self.kv_bytes + released
+        self._weights_mapped = True
 
     def _kv_allocations(self) -> list[Any]:
         return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
@@ -177,10 +178,21 @@ class KVStandby:
             return 0
         self._llm.reset_prefix_cache()
         torch.cuda.synchronize()
-        for data in self._kv_allocations() + self._weight_allocations:
+        for data in self._kv_allocations() + (self._weight_allocations if self._weights_mapped else []):
             unmap_and_release(data.handle)
+        self._weights_mapped = False
         self.released = True
         return self.bytes
+
+    def restore_weights(self) -> None:
+        """Map the fp8 copy's allocations back alone (contents undefined: the owner writes them next), so they can be
+        written while the device does not hold the KV cache yet."""
+        from vllm.device_allocator.cumem import create_and_map
+
+        if self.released and not self._weights_mapped:
+            for data in self._weight_allocations:
+                create_and_map(data.handle)
+            self._weights_mapped = True
 
     def restore(self) -> int:
         """Map the KV cache (and the fp8 copy's allocations) back at their addresses and reinitialise what lives in
@@ -190,8 +202,10 @@ class KVStandby:
         if not self.released:
             return 0
         self._allocator.wake_up(tags=["kv_cache"])
-        for data in self._weight_allocations:
-            create_and_map(data.handle)
+        if not self._weights_mapped:
+            for data in self._weight_allocations:
+                create_and_map(data.handle)
+            self._weights_mapped = True
         driver_worker(self._llm).model_runner.post_kv_cache_wake_up()
         self._llm.reset_prefix_cache()
         self.released = False

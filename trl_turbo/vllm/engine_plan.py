@@ -196,6 +196,23 @@ def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> st
     return mode
 
 
+def fp8_parks_base(model: Any) -> bool:
+    """Whether fp8 sampling moves the training model's 16-bit linear weights to the host while vLLM samples: yes,
+    unless they are 4-bit (little to gain) or the pinned host copy does not fit (then a warning names why)."""
+    if four_bit_weights(model):
+        return False
+    head = model.get_output_embeddings()
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in hf_linear_modules(model).values()
+                       if m is not head)
+    problem = host_copy_problem(weight_bytes, local_process_count(), available_host_bytes())
+    if problem is not None:
+        warnings.warn(f"trl_turbo: fp8 sampling keeps the 16-bit base weights on the device while vLLM samples "
+                      f"(about 2 bytes per linear weight more in the generation phase): {problem}.", RuntimeWarning,
+                      stacklevel=3)
+        return False
+    return True
+
+
 def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
                   sampling: str | None = None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}

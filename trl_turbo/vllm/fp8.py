@@ -6,8 +6,13 @@ Design decisions:
 - One pass over the model per generation, one fused sampler matrix at a time (`ops.merge_fp8`): W + scaling * B @ A
   in fp32, quantized once. No 16-bit merged copy of the model ever exists; a bitsandbytes 4-bit base is dequantized
   one fused matrix at a time (the only 16-bit scratch).
-- Nothing the trainer reads changes, so there is nothing to restore: an interrupted generation leaves at worst a
-  stale fp8 copy, which the next generation overwrites before sampling.
+- Nothing the trainer reads changes value: an interrupted generation leaves at worst a stale fp8 copy, which the
+  next generation overwrites before sampling.
+- While vLLM samples from the fp8 copy, the training model's 16-bit linear weights are idle. With `park_base` they
+  leave the device as soon as their fp8 matrix is written (the device never holds both copies of much) and come back
+  after the generation from a pinned host copy taken once (exact by construction: the base never changes; 2 bytes
+  per linear weight of host memory per process, checked like merged sampling's host copy). A forward and a
+  state-dict pre-hook bring them back should anything reach the model while they are parked.
 - The plan (which HF matrix fills which rows of which fp8 tensor) comes from `weight_views.plan_shared_views`, the
   same derivation shared weights use, and is checked to cover every row of every fp8 tensor: a row left with vLLM's
   dummy values would sample garbage, so an incomplete plan is refused.
@@ -24,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..offload.pinned_pool import HostBlocks, PinnedPool
 from ..ops.merge_fp8 import FP8_DTYPE, MergedShard, write_merged_fp8
 from .merge import lora_targets
 from .weight_views import LayoutMismatch, SharedView, hf_weight_name
@@ -70,8 +76,10 @@ class Fp8Sampling:
     """Writes vLLM's fp8 linear weights from the training model's base weights and live adapter (`write`)."""
 
     def __init__(self, peft_model: Any, adapter: str, fp8_tensors: Mapping[str, Fp8Tensor],
-                 views: Sequence[SharedView], compute_dtype: torch.dtype) -> None:
-        """`fp8_tensors`: vLLM's fp8 weights by name; `views`: the plan's views onto them (HF weight -> rows)."""
+                 views: Sequence[SharedView], compute_dtype: torch.dtype, *, park_base: bool = False,
+                 pin: bool | None = None) -> None:
+        """`fp8_tensors`: vLLM's fp8 weights by name; `views`: the plan's views onto them (HF weight -> rows);
+        `park_base`: move the 16-bit base weights to the host while vLLM samples (see the module docstring)."""
         modules = hf_linear_modules(peft_model)
         loras = {hf_weight_name(f"{t.name}.weight"): t.layer for t in lora_targets(peft_model, adapter)}
         by_tensor: dict[str, list[_Shard]] = {name: [] for name in fp8_tensors}
@@ -94,6 +102,15 @@ class Fp8Sampling:
         self.compute_dtype = compute_dtype
         self.copy_bytes = sum(m.target.rows.numel() for m in self.matrices)
         self.metrics: dict[str, float] = {}
+        self._parking: _Parking | None = None
+        if park_base:
+            modules = [shard.module for m in self.matrices for shard in m.shards]
+            base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+            self._parking = _Parking(modules, base, torch.cuda.is_available() if pin is None else pin)
+
+    @property
+    def parked_host_bytes(self) -> int:
+        return 0 if self._parking is None else self._parking.host_bytes
 
     @torch.no_grad()
     def write(self) -> None:
@@ -103,6 +120,9 @@ class Fp8Sampling:
         for matrix in self.matrices:
             shards = [self._merged_shard(shard) for shard in matrix.shards]
             write_merged_fp8(shards, matrix.target.rows, matrix.target.scale)
+            del shards
+            if self._parking is not None:
+                self._parking.park(shard.module for shard in matrix.shards)
         devices = {m.target.rows.device for m in self.matrices if m.target.rows.is_cuda}
         for device in devices:
             torch.cuda.synchronize(device)
@@ -117,9 +137,93 @@ class Fp8Sampling:
         return MergedShard(weight, layer.lora_B[adapter].weight.detach(), layer.lora_A[adapter].weight.detach(),
                            float(layer.scaling[adapter]), shard.start)
 
+    def unpark(self) -> None:
+        """Bring the parked 16-bit weights back (copies enqueued on the current stream: later kernels see them)."""
+        if self._parking is not None:
+            self._parking.unpark()
+
     def take_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
+        if self._parking is not None:
+            metrics.update(self._parking.take_metrics())
         return metrics
+
+    def close(self) -> None:
+        if self._parking is not None:
+            self._parking.close()
+
+
+class _Parking:
+    """16-bit weights moved off the device and back, from a pinned host copy taken once."""
+
+    def __init__(self, modules: list[torch.nn.Module], base: torch.nn.Module, pin: bool) -> None:
+        for module in modules:
+            if module.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise ValueError(f"only 16/32-bit weights are parked, not {module.weight.dtype}")
+        self._modules = modules
+        self._homes = [(m.weight.shape, m.weight.dtype, m.weight.device) for m in modules]
+        self._pool = PinnedPool(budget_bytes=2**62, pin=pin)
+        self._host: list[HostBlocks] = []
+        for module in modules:
+            flat = _flat_bytes(module.weight)
+            blocks = self._pool.acquire(flat.numel())
+            blocks.store(flat, non_blocking=False)
+            self._host.append(blocks)
+        self.host_bytes = self._pool.allocated_bytes
+        self._index = {id(m): i for i, m in enumerate(modules)}
+        self._parked: set[int] = set()
+        self._events: tuple[Any, Any] | None = None
+        self._hooks = [base.register_forward_pre_hook(lambda *_: self.unpark()),
+                       base.register_state_dict_pre_hook(lambda *_, **__: self.unpark())]
+
+    def park(self, modules: Any) -> None:
+        for module in modules:
+            i = self._index[id(module)]
+            if i not in self._parked:
+                self._parked.add(i)  # before the storage goes: an interruption after this line still unparks it
+                shape, dtype, device = self._homes[i]
+                module.weight.data = torch.empty(0, dtype=dtype, device=device)
+
+    def unpark(self) -> None:
+        if not self._parked:
+            return
+        timed = any(home[2].type == "cuda" for home in self._homes)
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else None
+        if events:
+            events[0].record()
+        for i in sorted(self._parked):
+            shape, dtype, device = self._homes[i]
+            weight = torch.empty(shape, dtype=dtype, device=device)
+            self._host[i].load(_flat_bytes(weight), non_blocking=True)
+            self._modules[i].weight.data = weight
+        self._parked.clear()
+        if events:
+            events[1].record()
+        self._events = events
+
+    def take_metrics(self) -> dict[str, float]:
+        metrics = {"vllm/parked_host_gib": self.host_bytes / 2**30}
+        events, self._events = self._events, None
+        if events is not None:
+            events[1].synchronize()
+            metrics["vllm/unpark_s"] = events[0].elapsed_time(events[1]) / 1000
+        return metrics
+
+    def close(self) -> None:
+        self.unpark()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host copy must outlive the copies reading it
+        for blocks in self._host:
+            self._pool.release(blocks)
+        self._host.clear()
+        self._pool.close()
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 def _base_matrix(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

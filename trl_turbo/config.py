@@ -198,10 +198,13 @@ class TurboFields:
             "hold an fp8 (e4m3, one scale per tensor) copy of W + scaling*B@A, written before each generation by "
             "one Triton kernel from the training model's base weights (16-bit, or bitsandbytes 4-bit dequantized "
             "one matrix at a time) and the live adapter; the training model's weights are only read, and with "
-            "turbo_vllm_standby the fp8 copy is unmapped with the KV cache while training runs. It samples from a "
-            "quantized policy, so it requires vllm_importance_sampling_correction=True; combine with "
-            "turbo_vllm_kv_cache_dtype='fp8'. Where 'fp8' cannot serve (adapted embeddings or tied layers, 8-bit "
-            "models, no fp8 GPU) the run is refused before the model loads."
+            "turbo_vllm_standby the fp8 copy is unmapped with the KV cache while training runs; while vLLM samples, "
+            "a 16-bit model's linear weights wait in pinned host memory (a copy taken once, 2 bytes per linear "
+            "weight per process; kept on the device, with a warning, when the host cannot hold it). It samples from "
+            "a quantized policy, so it requires vllm_importance_sampling_correction=True; combine with "
+            "turbo_vllm_kv_cache_dtype='fp8'. Where 'fp8' cannot serve (no GPU of compute capability 8.9+, an "
+            "adapter on embeddings or the LM head or modules_to_save, 8-bit models and others vLLM would need a "
+            "separate copy of) the run is refused before the model loads."
         },
     )
     turbo_rollout_check: str = field(

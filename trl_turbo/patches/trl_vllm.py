@@ -61,7 +61,7 @@ def _wrap_init_vllm(original):
         sharing = engine_sharing(self, config)
         sampling = engine_sampling(self, config, sharing)
         parked = None
-        if sharing is not None and sharing.mode == SHARED and sampling != FP8:
+        if sharing is not None and (sharing.mode == SHARED or sampling == FP8):
             parked = vllm_engine.ParkedWeights(self.model)  # one copy on the device even while vLLM starts
         try:
             kwargs = engine_kwargs(self, config, sharing, sampling)
@@ -115,11 +115,9 @@ def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: S
     if sampling == FP8:
         model = generation.model
         fp8 = vllm_engine.fp8_tensors(generation.llm)
-        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, model, None,
+        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, model, parked,
                                                             generation.accelerator.device, fp8=fp8)
         views = vllm_engine.plan_views(generation.llm, model.get_base_model(), fp8)[2]
-        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(generation.llm),
-                                park_base=fp8_parks_base(model))
         release_with_kv = [tensor.rows for tensor in fp8.values()]
     elif sharing is not None:
         if sharing.mode == SHARED:
@@ -135,6 +133,13 @@ def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: S
     if config.turbo_vllm_standby:
         state.standby = vllm_engine.KVStandby(generation.llm, also_release=release_with_kv)
         state.standby.release()
+    if sampling == FP8:
+        # The matrices the fp8 copy is written from come back to the device only now, after the KV cache and the
+        # fp8 copy went: the engine started while they waited on the host
+        if parked is not None:
+            parked.unpark()
+        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(generation.llm),
+                                park_base=fp8_parks_base(model))
     generation._trl_turbo_engine = state
 
 

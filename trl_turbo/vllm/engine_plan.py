@@ -300,15 +300,12 @@ def _vllm_weight_bytes(model: Any, sharing: Sharing | None, sampling: str | None
     """The device memory vLLM's weights will take beyond what is in use when the KV budget is computed."""
     if sharing is not None and sharing.mode == COPY:  # next to the training model's weights, which stay
         return copy_bytes(model)
-    if sampling == FP8:  # next to the training model's weights (not parked): 1 byte per linear weight, plus its
-        # 16-bit embeddings and LM head until they are shared
+    if sampling == FP8:  # 1 byte per linear weight, plus every frozen weight parked on the host meanwhile: the 16-bit
+        # embeddings and LM head come back as vLLM's (shared), the linear weights as the training model's own
         head = model.get_output_embeddings()
-        linear = {name: m for name, m in hf_linear_modules(model).items() if m is not head}
-        fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in linear.values())
-        linear_ids = {id(m.weight) for m in linear.values()}
-        others = sum(p.numel() * p.element_size() for p in model.parameters()
-                     if not p.requires_grad and id(p) not in linear_ids)
-        return fp8_bytes + others
+        linear = [m for m in hf_linear_modules(model).values() if m is not head]
+        fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in linear)
+        return fp8_bytes + sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's
     # engine loads its own copy of the same storage (a 4-bit model is quantized by vLLM too) next to them. Both add
     # vLLM's own fp32 block scales of double-quantized 4-bit weights.

@@ -139,5 +139,11 @@ def active_patches() -> list[tuple[Any, str, Any]]:
         return [(r.owner, r.name, r.value) for r in (*_records, *_scoped) if r.owner is not None]
 
 
+def scoped_patches() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute name, value) of the scoped patches in force (none outside a patched call)."""
+    with lock:
+        return [(r.owner, r.name, r.value) for r in _scoped]
+
+
 def is_active() -> bool:
     return bool(_records)

@@ -66,12 +66,11 @@ def test_a_step_interrupted_anywhere_leaves_a_clean_process(tmp_path, point, err
     trainer = _trainer(tmp_path / "run", rewards)
     trainer_ref[0] = trainer
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
-    patches_before = registry.active_patches()
     _arm(trainer, point, error)
     with pytest.raises(error):
         trainer.train()
     assert trainer.state.global_step == FAIL_AT_STEP - 1
-    assert registry.active_patches() == patches_before  # every scoped patch of the step was put back
+    assert registry.scoped_patches() == []  # every scoped patch of the step was put back
     for name, parameter in trainer.model.named_parameters():
         if name in base:
             assert torch.equal(parameter, base[name]), name

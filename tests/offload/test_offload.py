@@ -13,7 +13,7 @@ import torch
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader, TiledMLPForward
 from trl_turbo import registry
-from trl_turbo.patches.transformers_checkpointing import CheckpointingRuntime, install_runtime, install_tiled_mlp
+from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tolerance import assert_within_naive_error
@@ -303,7 +303,7 @@ def test_installation_is_idempotent_and_undone_by_unpatch():
     assert model.model.layers[0].mlp.forward.tile_tokens == 16
     model.gradient_checkpointing_enable()
     install_runtime(model, CheckpointingRuntime(None))
-    original = model.model.layers[0]._trl_turbo_original_checkpoint
+    original = registry.original(model.model.layers[0], "_gradient_checkpointing_func")
     trl_turbo.unpatch()
     layer = model.model.layers[0]
     assert "forward" not in layer.mlp.__dict__
@@ -430,7 +430,7 @@ def test_gpu_offloaded_checkpoint_matches_torch_checkpoint(peft):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_norm_matches_the_original_norm(arch, dtype):
-    from trl_turbo.patches.transformers_checkpointing import install_lean_norms
+    from trl_turbo.offload.install import install_lean_norms
 
     model = _model(arch, layers=1, dtype=dtype)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -461,7 +461,7 @@ def test_lean_norm_matches_the_original_norm(arch, dtype):
 
 
 def test_lean_norms_skip_other_norm_formulas():
-    from trl_turbo.patches.transformers_checkpointing import install_lean_norms
+    from trl_turbo.offload.install import install_lean_norms
 
     assert install_lean_norms(_model("gemma")) == 0  # gemma scales by (1 + weight): left alone
 
@@ -510,7 +510,7 @@ def test_liger_layers_install_under_tiles_and_undo():
     # Only the wiring runs on CPU (Liger's kernels need CUDA; tests/ops/test_liger_layers.py runs them on the GPU)
     import trl_turbo
     from trl_turbo.ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
-    from trl_turbo.patches.transformers_checkpointing import install_lean_norms, install_liger_layers, \
+    from trl_turbo.offload.install import install_lean_norms, install_liger_layers, \
         install_tiled_mlp
 
     model = tiny_model("llama", vocab_size=len(VOCAB), layers=2)

@@ -1,4 +1,5 @@
-"""Memory for long sequences: checkpoint inputs in host memory, token-tiled MLPs, lean RMSNorms (pure torch)."""
+"""Memory for long sequences: checkpoint inputs in host memory, token-tiled MLPs, lean RMSNorms (pure torch);
+`offload.install` puts them on a transformers model."""
 
 from .checkpoint import CheckpointOffloader, OffloadStats, is_recomputing, offloaded_checkpoint
 from .lean_norm import LeanRMSNormForward

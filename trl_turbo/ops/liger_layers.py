@@ -1,7 +1,7 @@
 """Liger-Kernel's fused RMSNorm and SwiGLU as per-module `forward` replacements.
 
 Design decision: Liger's own autograd Functions (Triton kernels) are used as they are; only the call is ours, set on
-module instances by `patches.transformers_checkpointing.install_liger_layers`, so it never leaks to other models in
+module instances by `offload.install.install_liger_layers`, so it never leaks to other models in
 the process and `trl_turbo.unpatch()` removes it. RoPE is left to transformers: Liger's RoPE can only be installed by
 replacing the modeling module's global `apply_rotary_pos_emb`, which would change every model of that family in the
 process, and rotary embedding is a negligible share of a step. The RMSNorm keeps Llama's casting (fp32 statistics,

@@ -1,142 +1,22 @@
-"""Patches of transformers' gradient checkpointing: trl_turbo's checkpoint function, tiled MLPs, no hook leaks.
+"""Patches of transformers' gradient checkpointing: trl_turbo's checkpoint function stays in place, no hook leaks.
 
 Seams:
 - `PreTrainedModel._set_gradient_checkpointing` is where every enable lands. That includes `Trainer.train()` and
   the re-enables TRL performs around each generation and no-grad pass (with raw kwargs that break transformers'
   own `offload` option). After the original, a model that carries a `CheckpointingRuntime` (attached by the
-  GRPOTrainer patch) gets trl_turbo's checkpoint function on each decoder layer of the tested dense families
-  (`DECODER_LAYER_CLASSES`; other layers keep transformers' function). The layer's own function is kept for
-  `unpatch()`.
+  GRPOTrainer patch through `offload.install`) gets trl_turbo's checkpoint function back on each decoder layer of the
+  tested dense families.
 - `PreTrainedModel.enable_input_require_grads` registers a new embedding hook on every call and forgets the old
   handles, so TRL's re-enables pile up one hook per generation. The wrapper removes the previous hooks first.
-- Tiled MLPs and lean RMSNorms are installed per module instance through the registry, which holds those modules
-  weakly.
+On unpatch, every model configured through `offload.install` is detached (its installations undone).
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
-from dataclasses import dataclass
 
-import torch
-
-from ..families import DECODER_LAYER_CLASSES, LLAMA_NORM_CLASSES
-from ..offload import CheckpointOffloader, LeanRMSNormForward, TiledMLPForward, offloaded_checkpoint
 from .. import registry
-
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # the MLPs Liger's SwiGLU computes exactly
-# Decoder layers that trl_turbo's checkpoint function and tiled MLP apply to (`families.DECODER_LAYER_CLASSES`): the
-# dense families the parity tests train. Their layers take no keyword tensor that needs a gradient and capture nothing
-# through hooks (MoE router logits would be), their MLPs act per token, and their MLP output feeds the residual sum
-# directly except where a `post_feedforward_layernorm` follows it. Other layers keep transformers' checkpointing and
-# their plain MLP. RMSNorm classes in `families.LLAMA_NORM_CLASSES` are checked against their originals by the tests.
-_configured: weakref.WeakSet = weakref.WeakSet()
-
-
-@dataclass
-class CheckpointingRuntime:
-    """What a model's checkpointed layers use: the offloader (None: inputs stay on the device) and, per layer, the
-    checkpoint function (each routes its own layer's trainable parameters; see `offload.checkpoint`)."""
-
-    offloader: CheckpointOffloader | None
-
-    def __post_init__(self) -> None:
-        self._functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def checkpoint_for(self, layer: torch.nn.Module):
-        """The checkpoint function of `layer` (the same object on every call)."""
-        if layer not in self._functions:
-            self._functions[layer] = offloaded_checkpoint(self.offloader, layer)
-        return self._functions[layer]
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The checkpointed layers of `model` that trl_turbo's features apply to (`DECODER_LAYER_CLASSES`)."""
-    return [m for m in _checkpointed_layers(model) if type(m).__name__ in DECODER_LAYER_CLASSES]
-
-
-def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
-    """Attach `runtime` to `model`; its checkpointed layers use it now and after every later enable."""
-    model._trl_turbo_checkpointing = runtime
-    _configured.add(model)
-    _use_runtime_in_layers(model, runtime)
-
-
-def _use_runtime_in_layers(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
-    for layer in _decoder_layers(model):
-        current = layer.__dict__.get("_gradient_checkpointing_func")
-        ours = runtime.checkpoint_for(layer)
-        if current is None or current is ours:
-            continue
-        layer._trl_turbo_original_checkpoint = current
-        layer._gradient_checkpointing_func = ours
-
-
-def _llama_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Llama-style RMSNorms of `model` (the classes in `LLAMA_NORM_CLASSES`)."""
-    return [m for m in model.modules() if type(m).__name__ in LLAMA_NORM_CLASSES and hasattr(m, "variance_epsilon")]
-
-
-def _gated_mlps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-    """(decoder layer, MLP) for every decoder layer whose MLP has gate/up/down projections."""
-    pairs = [(layer, getattr(layer, "mlp", None)) for layer in _decoder_layers(model)]
-    return [(layer, mlp) for layer, mlp in pairs
-            if mlp is not None and all(hasattr(mlp, name) for name in _MLP_PROJECTIONS)]
-
-
-def _install_norm_forward(model: torch.nn.Module, forward_cls: type) -> int:
-    """Give every Llama-style RMSNorm a `forward_cls(module)` forward (replacing another of ours); returns the count."""
-    norms = _llama_norms(model)
-    for module in norms:
-        if not isinstance(module.__dict__.get("forward"), forward_cls):
-            registry.replace_attr(module, "forward", forward_cls(module), weak=True)
-    return len(norms)
-
-
-def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
-    """Tile every dense gated MLP of `model`'s decoder layers (idempotent; `trl_turbo.unpatch()` undoes it)."""
-    mlps = _gated_mlps(model)
-    for layer, mlp in mlps:
-        current = mlp.__dict__.get("forward")
-        if isinstance(current, TiledMLPForward):
-            current.tile_tokens = tile_tokens
-        else:
-            feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
-            # Wraps whatever forward the MLP has now (Liger's, when installed first)
-            registry.replace_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
-    return len(mlps)
-
-
-def install_liger_layers(model: torch.nn.Module) -> int:
-    """Route every Llama-style RMSNorm and gated-SiLU MLP of `model` through Liger's kernels (idempotent;
-    `trl_turbo.unpatch()` undoes it). Install before the tiled MLP, which then tiles the Liger forward."""
-    from ..ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
-
-    count = _install_norm_forward(model, LigerRMSNormForward)
-    for _, mlp in _gated_mlps(model):
-        if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU_CLASSES:
-            continue
-        current = mlp.__dict__.get("forward")
-        if isinstance(current, TiledMLPForward):  # tiled by an earlier trainer: Liger goes inside the tiles
-            if not isinstance(current.original, LigerSwiGLUForward):
-                current.original = LigerSwiGLUForward(mlp)
-        elif not isinstance(current, LigerSwiGLUForward):
-            registry.replace_attr(mlp, "forward", LigerSwiGLUForward(mlp), weak=True)
-        count += 1
-    return count
-
-
-def install_lean_norms(model: torch.nn.Module) -> int:
-    """Give every Llama-style RMSNorm of `model` the lean backward (idempotent; `trl_turbo.unpatch()` undoes it)."""
-    return _install_norm_forward(model, LeanRMSNormForward)
+from ..offload.install import detach_all_models, use_runtime_in_layers
 
 
 def _wrap_set_gradient_checkpointing(original):
@@ -145,7 +25,7 @@ def _wrap_set_gradient_checkpointing(original):
         result = original(self, *args, **kwargs)
         runtime = getattr(self, "_trl_turbo_checkpointing", None)
         if runtime is not None:
-            _use_runtime_in_layers(self, runtime)
+            use_runtime_in_layers(self, runtime)
         return result
 
     return _set_gradient_checkpointing
@@ -160,30 +40,6 @@ def _wrap_enable_input_require_grads(original):
     return enable_input_require_grads
 
 
-def detach_model(model: torch.nn.Module) -> None:
-    """Undo every trl_turbo installation on `model`: its layers' checkpoint functions (back to transformers'), the
-    runtime, and the module forwards of tiled MLPs, lean or Liger norms and Liger MLPs. A trainer built on a model an
-    earlier trainer configured starts from here, so it gets exactly what its own config asks for."""
-    from ..ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
-
-    for layer in _checkpointed_layers(model):
-        original = layer.__dict__.pop("_trl_turbo_original_checkpoint", None)
-        if original is not None:
-            layer._gradient_checkpointing_func = original
-    model.__dict__.pop("_trl_turbo_checkpointing", None)
-    _configured.discard(model)
-    ours = (TiledMLPForward, LeanRMSNormForward, LigerRMSNormForward, LigerSwiGLUForward)
-    for module in model.modules():
-        if isinstance(module.__dict__.get("forward"), ours):
-            registry.restore_attr(module, "forward")
-
-
-def _detach_all_models() -> None:
-    """On unpatch: configured models go back to the checkpoint function transformers gave them."""
-    for model in list(_configured):
-        detach_model(model)
-
-
 def apply() -> None:
     from transformers import PreTrainedModel
 
@@ -195,4 +51,4 @@ def apply() -> None:
         PreTrainedModel, "enable_input_require_grads",
         _wrap_enable_input_require_grads(PreTrainedModel.__dict__["enable_input_require_grads"]),
     )
-    registry.on_restore(_detach_all_models)
+    registry.on_restore(detach_all_models)

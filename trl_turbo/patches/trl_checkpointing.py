@@ -16,7 +16,7 @@ from ..config import liger_layers_enabled
 from ..distributed import CHECKPOINTING_FEATURES, local_process_count, unsupported_features
 from ..host_memory import available_host_bytes
 from ..offload import CheckpointOffloader
-from .transformers_checkpointing import (
+from ..offload.install import (
     CheckpointingRuntime,
     detach_model,
     install_lean_norms,

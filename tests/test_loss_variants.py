@@ -17,6 +17,7 @@ import torch
 import trl_turbo  # noqa: F401  (injects the turbo_* fields into GRPOConfig)
 from trl_turbo import losses
 from trl_turbo.ops import fused_logprobs, reference_logprobs
+from trl_turbo.grpo import step_plan
 from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
 from trl_turbo.testing.tolerance import assert_within_naive_error
@@ -169,9 +170,9 @@ def test_geometric_is_mode_in_the_patched_loss(tmp_path, mode):
     trainer.use_vllm = True  # CPU has no vLLM: switch on what use_vllm gates, as GRPOTrainer.__init__ would
     trainer.vllm_importance_sampling_mode = mode
     trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = 0.5, 1.5
-    assert trl_trainer.holds_is_gate(trainer)
+    assert step_plan.holds_is_gate(trainer)
     trainer.args.steps_per_generation = 3  # misaligned: TRL still runs its old-logps forward for its own reason
-    assert trl_trainer.holds_is_gate(trainer) and trl_trainer.needs_old_logps_forward(trainer)
+    assert step_plan.holds_is_gate(trainer) and step_plan.needs_old_logps_forward(trainer)
     trainer.args.steps_per_generation = 1
     inputs = parity.synthetic_batch(trainer, with_old_logps=True, with_sampling_logps=True)
     mask = inputs["completion_mask"]

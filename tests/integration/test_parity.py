@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trl_turbo.grpo import loss_step, sequence_groups
+from trl_turbo.grpo import step_plan
 from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
 
@@ -146,8 +147,8 @@ def test_vllm_importance_sampling_modes(tmp_path, mode, clip_min, clip_max, loss
 def test_reused_policy_logps_equal_stock_with_separate_old_forward(tmp_path, mode, clip_min, clip_max):
     """Turbo skips the old-logps forward and computes the IS ratio in the loss; stock computes both up front."""
     trainer = _vllm_trainer(tmp_path, mode, clip_min, clip_max)
-    assert trl_trainer.reuses_policy_logps(trainer)
-    assert not trl_trainer.needs_old_logps_forward(trainer)
+    assert step_plan.reuses_policy_logps(trainer)
+    assert not step_plan.needs_old_logps_forward(trainer)
     batch = parity.synthetic_batch(trainer, with_sampling_logps=True)
     with torch.no_grad():  # what stock TRL's extra forward computes at generation time
         old, _, _ = trainer._get_per_token_logps_and_entropies(
@@ -166,18 +167,18 @@ def test_reused_policy_logps_equal_stock_with_separate_old_forward(tmp_path, mod
 
 def test_reuse_rule(tmp_path):
     trainer = _vllm_trainer(tmp_path, "sequence_mask", None, 3.0)
-    assert trl_trainer.reuses_policy_logps(trainer)
+    assert step_plan.reuses_policy_logps(trainer)
     trainer.args.turbo_reuse_policy_logps = False
-    assert not trl_trainer.reuses_policy_logps(trainer) and trl_trainer.needs_old_logps_forward(trainer)
+    assert not step_plan.reuses_policy_logps(trainer) and step_plan.needs_old_logps_forward(trainer)
     trainer.args.turbo_reuse_policy_logps = True
     trainer.num_iterations = 2  # the policy moves between iterations: old log-probs differ, keep the forward
-    assert not trl_trainer.reuses_policy_logps(trainer) and trl_trainer.needs_old_logps_forward(trainer)
+    assert not step_plan.reuses_policy_logps(trainer) and step_plan.needs_old_logps_forward(trainer)
     trainer.num_iterations = 1
     trainer.args.steps_per_generation = 3  # generation misaligned with optimizer steps
-    assert not trl_trainer.reuses_policy_logps(trainer) and trl_trainer.needs_old_logps_forward(trainer)
+    assert not step_plan.reuses_policy_logps(trainer) and step_plan.needs_old_logps_forward(trainer)
     trainer.args.steps_per_generation = 1
     trainer.use_vllm = False  # no IS correction and aligned: TRL itself skips the forward
-    assert not trl_trainer.reuses_policy_logps(trainer) and not trl_trainer.needs_old_logps_forward(trainer)
+    assert not step_plan.reuses_policy_logps(trainer) and not step_plan.needs_old_logps_forward(trainer)
 
 
 def test_generation_gate_is_held_off_only_during_generation():

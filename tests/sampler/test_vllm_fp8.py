@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from trl_turbo.ops.merge_fp8 import FP8_DTYPE, MergedShard, reference_merged_fp8
+from trl_turbo.ops.merge_fp8 import MergedShard, reference_merged_fp8
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.vllm.fp8 import Fp8Sampling, Fp8Tensor, hf_linear_modules
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views

@@ -176,7 +176,7 @@ def old_logps_pass(trainer: Any, inputs: dict[str, torch.Tensor]) -> dict[str, t
 
 def turbo_needs_old_logps_pass(trainer: Any) -> bool:
     try:
-        from trl_turbo.patches.trl_trainer import needs_old_logps_forward
+        from trl_turbo.grpo.step_plan import needs_old_logps_forward
     except ImportError:
         return True
     return bool(needs_old_logps_forward(trainer))

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from .. import losses
 from ..grpo import loss_step
+from ..grpo.step_plan import fused_loss_enabled, holds_is_gate
 from ..grpo.sequence_groups import sequence_groups
 from ..ops import fused_logprobs
 from .. import registry
@@ -50,43 +50,6 @@ class _HeadOptions:
 
 _head_options: contextvars.ContextVar[_HeadOptions | None] = contextvars.ContextVar("trl_turbo_head", default=None)
 _FUSED_OUTPUTS = frozenset({"log_probs", "entropy"})
-
-
-def fused_loss_enabled(trainer: Any) -> bool:
-    return bool(getattr(trainer.args, "turbo_fused_loss", False)) and registry.is_active()
-
-
-def generation_aligned(trainer: Any) -> bool:
-    """TRL's rule: each generation's samples are trained on within one optimizer step (no update in between)."""
-    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
-    return trainer.args.gradient_accumulation_steps % generate_every == 0
-
-
-def reuses_policy_logps(trainer: Any) -> bool:
-    """True when TRL would run an old-log-prob forward only for vLLM IS correction, and its result would equal the
-    training forward's detached log-probs (same weights: one iteration, generation aligned with optimizer steps)."""
-    args = trainer.args
-    if not (fused_loss_enabled(trainer) and getattr(args, "turbo_reuse_policy_logps", False)):
-        return False
-    return bool(generation_aligned(trainer) and trainer.use_vllm and trainer.vllm_importance_sampling_correction)
-
-
-def holds_is_gate(trainer: Any) -> bool:
-    """Whether TRL's generation-time vLLM IS code is switched off for a generation call (the loss takes it over)."""
-    if reuses_policy_logps(trainer):
-        return True
-    return bool(
-        fused_loss_enabled(trainer)
-        and trainer.use_vllm
-        and trainer.vllm_importance_sampling_correction
-        and trainer.vllm_importance_sampling_mode in losses.TURBO_IS_MODES
-    )
-
-
-def needs_old_logps_forward(trainer: Any) -> bool:
-    """Whether a generation step runs the extra no-grad forward for old-policy log-probs (TRL's rule, minus reuse)."""
-    is_gate = trainer.use_vllm and trainer.vllm_importance_sampling_correction and not holds_is_gate(trainer)
-    return bool(not generation_aligned(trainer) or is_gate)
 
 
 class FusedLogProbAdapter:

@@ -1,25 +1,20 @@
-"""TRL's colocated vLLM engine (`trl.generation.vllm_generation.VLLMGeneration`): precision, shared weights,
-adapters as tensors, KV standby.
+"""TRL's colocated vLLM engine (`trl.generation.vllm_generation.VLLMGeneration`): precision, shared weights, the
+sampling modes, KV standby. What each seam decides or does lives in `trl_turbo.vllm` (`engine_plan`: the engine's
+plan; `session`: setting it up and ordering each generation; `engine`: the one module that reaches into vLLM).
 
 Seams, all methods of `VLLMGeneration`:
-- `_init_vllm`: for the duration of the call, the module attribute `LLM` it constructs from gets extra arguments:
-  the training dtype (`turbo_vllm_match_precision`: TRL would leave a bf16 sampler under fp16 training, the
-  mismatch arXiv 2510.26788 removes), dummy weights (shared weights; one LoRA slot for "lora" sampling, none for
-  "merged"), CuMem pools and a KV budget (standby), the KV dtype. With shared weights the HF model's frozen matrices wait on the host during the call;
-  after it they are copied into vLLM once and become views of vLLM's, and the KV cache is released. A 4-bit
-  (bitsandbytes) model goes in while the engine is built instead: vLLM is told the HF quantization config and its
-  bitsandbytes loader is fed the training model's packed bytes and quantization states. A model that cannot share
-  (`trl_turbo.vllm.sharing`) gets a 16-bit engine instead, into which the training model's weights are copied
-  (dequantized) once; the training model keeps its own. Where trl_turbo chooses vLLM's quantization (shared 4-bit,
-  separate copy), TRL's bitsandbytes probe is switched off for the call: it would choose too, and refuses 8-bit
-  models.
+- `_init_vllm`: for the duration of the call, TRL's module attribute `LLM` gets the plan's extra arguments (dtype,
+  dummy weights, LoRA slots only for "lora" sampling, online fp8 for "fp8", CuMem pools and a KV budget, the KV
+  dtype); where trl_turbo chooses vLLM's quantization, TRL's bitsandbytes probe is switched off for the call (it
+  would choose too, and refuses 8-bit models). With shared weights the training model's frozen matrices wait on the
+  host while vLLM starts (one copy on the device even then); a shared 4-bit model's bytes go in through vLLM's
+  bitsandbytes loader while it is built. Afterwards `session.start_engine` shares or copies the weights and sets up
+  the sampling mode and standby.
 - `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
   also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors ("lora" sampling) or by nothing
-  ("merged" sampling merges at generation).
-- `generate`: the KV cache is mapped back before and released after TRL's generation. "merged" sampling
-  (`trl_turbo.vllm.merge`) merges the live adapter into the shared weights before and restores them bit-exactly
-  after, however the generation ends; "lora" sampling makes TRL's `llm.generate` call carry the adapter's
-  `LoRARequest`.
+  ("merged" and "fp8" sampling read the live adapter at each generation).
+- `generate`: runs inside `session.generating` (adapter merged or quantized in, KV cache mapped, all put back however
+  the generation ends); for "lora" sampling TRL's `llm.generate` call carries the adapter's `LoRARequest`.
 Timings and memory go to the trainer's metrics under `vllm/`.
 """
 
@@ -31,26 +26,15 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from ..vllm import engine as vllm_engine
+from ..vllm import session as engine_session
 from ..vllm.adapter import adapter_config_dict, adapter_tensors
-from ..vllm.engine_plan import (
-    EngineState,
-    drain_metrics,
-    engine_kwargs,
-    engine_sampling,
-    engine_sharing,
-    fp8_parks_base,
-    setting,
-)
-from ..vllm.fp8 import FP8, Fp8Sampling
-from ..vllm.merge import MERGED, MergedSampling
-from ..vllm.sharing import SHARED, Sharing
+from ..vllm.engine_plan import drain_metrics, engine_kwargs, engine_sampling, engine_sharing, setting
+from ..vllm.fp8 import FP8
+from ..vllm.sharing import SHARED
 from .. import registry
 from . import construction
 
-_GIB = 2**30
 __all__ = ["apply", "drain_metrics"]  # drain_metrics: read by the step-metrics seam
 
 
@@ -79,7 +63,7 @@ def _wrap_init_vllm(original):
             with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
                 result = original(self)
             if sharing is not None or setting(config, "turbo_vllm_standby"):
-                _start_engine_features(self, config, parked, sharing, sampling)
+                self._trl_turbo_engine = engine_session.start_engine(self, config, parked, sharing, sampling)
             return result
         finally:
             if parked is not None:
@@ -106,41 +90,6 @@ def _module_attributes(module: Any, attributes: dict[str, Any]):
         for name, value in attributes.items():
             stack.enter_context(registry.scoped(module, name, value))
         yield
-
-
-def _start_engine_features(generation: Any, config: Any, parked: Any, sharing: Sharing | None,
-                           sampling: str | None) -> None:
-    state = EngineState()
-    release_with_kv = []
-    if sampling == FP8:
-        model = generation.model
-        fp8 = vllm_engine.fp8_tensors(generation.llm)
-        state.shared_bytes = vllm_engine.share_base_weights(generation.llm, model, parked,
-                                                            generation.accelerator.device, fp8=fp8)
-        views = vllm_engine.plan_views(generation.llm, model.get_base_model(), fp8)[2]
-        release_with_kv = [tensor.rows for tensor in fp8.values()]
-    elif sharing is not None:
-        if sharing.mode == SHARED:
-            state.shared_bytes = vllm_engine.share_base_weights(generation.llm, generation.model, parked,
-                                                                generation.accelerator.device)
-        else:
-            state.copy_bytes = vllm_engine.copy_base_weights(generation.llm, generation.model)
-        if sampling == MERGED:
-            model = generation.model
-            state.merged = MergedSampling(model, model.active_adapter)
-        else:
-            state.adapters = vllm_engine.TensorAdapters(generation.llm)
-    if config.turbo_vllm_standby:
-        state.standby = vllm_engine.KVStandby(generation.llm, also_release=release_with_kv)
-        state.standby.release()
-    if sampling == FP8:
-        # The matrices the fp8 copy is written from come back to the device only now, after the KV cache and the
-        # fp8 copy went: the engine started while they waited on the host
-        if parked is not None:
-            parked.unpark()
-        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(generation.llm),
-                                park_base=fp8_parks_base(model))
-    generation._trl_turbo_engine = state
 
 
 # ------------------------------------------------------------------------------------------ sync / generate
@@ -172,47 +121,13 @@ def _wrap_generate(original):
         state = getattr(self, "_trl_turbo_engine", None)
         if state is None:
             return original(self, *args, **kwargs)
-        device = self.accelerator.device
-        start = time.perf_counter()
-        merged = state.merged
-        try:
-            if state.standby is not None or merged is not None:
-                # The KV cache maps fresh device memory and the merge needs scratch: blocks torch's allocator still
-                # caches from training go back to the driver first (stock TRL's sync does the same).
-                torch.cuda.empty_cache()
-            if merged is not None:
-                merged.merge()  # before the KV cache is mapped: its fp32 scratch is freed by then
-                torch.cuda.empty_cache()
-                if state.standby is None:
-                    self.llm.reset_prefix_cache()  # cached blocks were computed with other weights
-            if state.fp8 is not None:
-                if state.standby is not None:
-                    state.standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache
-                state.fp8.write()  # parks the training model's 16-bit linear weights on the host as it goes
-                torch.cuda.empty_cache()
-                if state.standby is None:
-                    self.llm.reset_prefix_cache()  # cached blocks were computed with the previous copy
-            if state.standby is not None:
-                state.metrics["vllm/kv_restored_gib"] = state.standby.restore() / _GIB  # also resets the prefix cache
-            adapter = contextlib.nullcontext()
-            if state.lora_request is not None:  # TRL's `llm.generate` call carries the adapter
-                adapter = registry.scoped(self.llm, "generate",
-                                          functools.partial(self.llm.generate, lora_request=state.lora_request))
-            try:
-                with adapter:
-                    return original(self, *args, **kwargs)
-            finally:
-                free, total = torch.cuda.mem_get_info(device)
-                state.metrics["vllm/generation_used_gib"] = (total - free) / _GIB
-                if state.standby is not None:
-                    state.metrics["vllm/kv_released_gib"] = state.standby.release() / _GIB
-        finally:
-            if merged is not None:
-                merged.restore()  # first thing after vLLM is done with the weights, on every way out
-            if state.fp8 is not None:
-                state.fp8.unpark()  # after the KV cache and the fp8 copy are released
-            state.metrics["vllm/generation_s"] = time.perf_counter() - start
-            torch.cuda.reset_peak_memory_stats(device)
+        with engine_session.generating(self.llm, state, self.accelerator.device):
+            if state.lora_request is None:
+                return original(self, *args, **kwargs)
+            # "lora" sampling: TRL's `llm.generate` call carries the adapter
+            with registry.scoped(self.llm, "generate",
+                                 functools.partial(self.llm.generate, lora_request=state.lora_request)):
+                return original(self, *args, **kwargs)
 
     return generate
 

@@ -1,0 +1,100 @@
+"""What trl_turbo does for one colocated engine: set it up once it exists (`start_engine`), and order the work around
+each generation (`generating`).
+
+Design decision: the order is the memory plan of a generation, so it lives in one place, as feature code: torch's
+cached blocks go back to the driver first; then the adapter reaches the sampler's weights (merged into the shared
+copy, or quantized into the fp8 copy while the 16-bit weights leave the device) before the KV cache is mapped; after
+sampling the KV cache (and the fp8 copy) are released first, and only then are the base weights restored or brought
+back, on every way out (a return, an exception, a KeyboardInterrupt). vLLM is reached only through
+`trl_turbo.vllm.engine`; the TRL seam (`patches.trl_vllm`) calls these two functions and carries the LoRA request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import engine as vllm_engine
+from .engine_plan import EngineState, fp8_parks_base
+from .fp8 import FP8, Fp8Sampling
+from .merge import MERGED, MergedSampling
+from .sharing import SHARED, Sharing
+
+_GIB = 2**30
+
+
+def start_engine(generation: Any, config: Any, parked: Any, sharing: Sharing | None,
+                 sampling: str | None) -> EngineState:
+    """After vLLM is built: share (or copy) the base weights, set up the sampling mode, and release the KV cache when
+    it stands by. `parked`: the training model's frozen weights waiting on the host while vLLM started."""
+    state = EngineState()
+    llm, model = generation.llm, generation.model
+    release_with_kv = []
+    if sampling == FP8:
+        fp8 = vllm_engine.fp8_tensors(llm)
+        state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device, fp8=fp8)
+        views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
+        release_with_kv = [tensor.rows for tensor in fp8.values()]
+    elif sharing is not None:
+        if sharing.mode == SHARED:
+            state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device)
+        else:
+            state.copy_bytes = vllm_engine.copy_base_weights(llm, model)
+        if sampling == MERGED:
+            state.merged = MergedSampling(model, model.active_adapter)
+        else:
+            state.adapters = vllm_engine.TensorAdapters(llm)
+    if config.turbo_vllm_standby:
+        state.standby = vllm_engine.KVStandby(llm, also_release=release_with_kv)
+        state.standby.release()
+    if sampling == FP8:
+        # The matrices the fp8 copy is written from come back to the device only now, after the KV cache and the
+        # fp8 copy went: the engine started while they waited on the host
+        if parked is not None:
+            parked.unpark()
+        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
+                                park_base=fp8_parks_base(model))
+    return state
+
+
+@contextlib.contextmanager
+def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[None]:
+    """vLLM samples inside the block from the live policy; the engine's memory and the base weights are put back
+    however the block ends. Timings and memory go to `state.metrics`."""
+    start = time.perf_counter()
+    merged, fp8, standby = state.merged, state.fp8, state.standby
+    try:
+        if standby is not None or merged is not None or fp8 is not None:
+            # The KV cache maps fresh device memory and the merge needs scratch: blocks torch's allocator still
+            # caches from training go back to the driver first (stock TRL's sync does the same).
+            torch.cuda.empty_cache()
+        if merged is not None:
+            merged.merge()  # before the KV cache is mapped: its fp32 scratch is freed by then
+            torch.cuda.empty_cache()
+        if fp8 is not None:
+            if standby is not None:
+                standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache
+            fp8.write()  # parks the training model's 16-bit linear weights on the host as it goes
+            torch.cuda.empty_cache()
+        if standby is not None:
+            state.metrics["vllm/kv_restored_gib"] = standby.restore() / _GIB  # also resets the prefix cache
+        elif merged is not None or fp8 is not None:
+            llm.reset_prefix_cache()  # cached blocks were computed with the previous weights
+        try:
+            yield
+        finally:
+            free, total = torch.cuda.mem_get_info(device)
+            state.metrics["vllm/generation_used_gib"] = (total - free) / _GIB
+            if standby is not None:
+                state.metrics["vllm/kv_released_gib"] = standby.release() / _GIB
+    finally:
+        if merged is not None:
+            merged.restore()  # first thing after vLLM is done with the weights, on every way out
+        if fp8 is not None:
+            fp8.unpark()  # after the KV cache and the fp8 copy are released
+        state.metrics["vllm/generation_s"] = time.perf_counter() - start
+        torch.cuda.reset_peak_memory_stats(device)

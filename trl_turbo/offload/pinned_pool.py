@@ -60,15 +60,22 @@ class HostBlocks:
         return events
 
 
+OFFLOAD_REMEDY = "Lower `turbo_offload_host_budget_gib` to keep more checkpoints on the GPU instead."
+
+
 class PinnedPool:
     """Pinned host chunks: `acquire(nbytes)` → HostBlocks or None (over budget); `release(blocks, ready_event)`."""
 
-    def __init__(self, budget_bytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool = True) -> None:
+    def __init__(self, budget_bytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool = True,
+                 purpose: str = "checkpoint offload", remedy: str = OFFLOAD_REMEDY) -> None:
+        """`purpose` and `remedy` name the user of the pool and what to do in the one warning a pinning failure
+        gives."""
         if chunk_bytes <= 0 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"chunk_bytes must be a power of two, got {chunk_bytes}")
         self.budget_bytes = budget_bytes
         self.chunk_bytes = chunk_bytes
         self.pin = pin
+        self.purpose, self.remedy = purpose, remedy
         self.allocated_bytes = 0
         self._free: list[_Chunk] = []
         self._warned = False
@@ -108,10 +115,9 @@ class PinnedPool:
             except RuntimeError as error:  # out of page-lockable memory: pageable still works, with blocking copies
                 if not self._warned:
                     warnings.warn(
-                        f"trl_turbo: could not pin host memory for checkpoint offload after "
+                        f"trl_turbo: could not pin host memory for {self.purpose} after "
                         f"{self.allocated_bytes / 2**30:.2f} GiB ({error}); using pageable memory, whose copies do "
-                        "not overlap compute. Lower `turbo_offload_host_budget_gib` to keep more checkpoints on the "
-                        "GPU instead.",
+                        f"not overlap compute. {self.remedy}",
                         RuntimeWarning,
                         stacklevel=4,
                     )

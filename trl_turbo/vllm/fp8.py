@@ -162,7 +162,8 @@ class _Parking:
                 raise ValueError(f"only 16/32-bit weights are parked, not {module.weight.dtype}")
         self._modules = modules
         self._homes = [(m.weight.shape, m.weight.dtype, m.weight.device) for m in modules]
-        self._pool = PinnedPool(budget_bytes=2**62, pin=pin)
+        self._pool = PinnedPool(budget_bytes=2**62, pin=pin, purpose="fp8 sampling's parked 16-bit weights",
+                                remedy="Bringing them back then blocks the host for the copy.")
         self._host: list[HostBlocks] = []
         for module in modules:
             flat = _flat_bytes(module.weight)

@@ -129,7 +129,9 @@ class MergedSampling:
                 raise ValueError(f"trl_turbo: {target.name}'s base weight is not contiguous; it cannot be merged in "
                                  "place")
         pin = torch.cuda.is_available() if pin is None else pin
-        self._pool = PinnedPool(budget_bytes=2**62, pin=pin)
+        self._pool = PinnedPool(budget_bytes=2**62, pin=pin, purpose="merged sampling's copy of the base weights",
+                                remedy="Each restore then blocks the host for its copy; `turbo_vllm_sampling='lora'` "
+                                "needs no host copy.")
         self._host: list[HostBlocks] = []
         for target in self.targets:
             flat = _flat_bytes(target.weight)

@@ -266,7 +266,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["init_used_gib"] = sampler.used() / GIB
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
             row["liger_layers"] = variant != "stock" and liger_layers_enabled(trainer.args)  # resolved from auto
-            engine = getattr(trainer.vllm_generation, "_trl_turbo_engine", None)
+            from ..vllm.engine_plan import engine_state
+
+            engine = engine_state(trainer.vllm_generation)
             row["sampling"] = (None if engine is None else "merged" if engine.merged is not None
                                else "fp8" if engine.fp8 is not None
                                else "lora" if engine.adapters is not None else None)

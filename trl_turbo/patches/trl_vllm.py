@@ -29,7 +29,15 @@ from typing import Any
 from ..vllm import engine as vllm_engine
 from ..vllm import session as engine_session
 from ..vllm.adapter import adapter_config_dict, adapter_tensors
-from ..vllm.engine_plan import drain_metrics, engine_kwargs, engine_sampling, engine_sharing, setting
+from ..vllm.engine_plan import (
+    ENGINE_STATE_ATTRIBUTE,
+    drain_metrics,
+    engine_kwargs,
+    engine_sampling,
+    engine_sharing,
+    engine_state,
+    setting,
+)
 from ..vllm.fp8 import FP8
 from ..vllm.sharing import SHARED
 from .. import registry
@@ -63,7 +71,8 @@ def _wrap_init_vllm(original):
             with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
                 result = original(self)
             if sharing is not None or setting(config, "turbo_vllm_standby"):
-                self._trl_turbo_engine = engine_session.start_engine(self, config, parked, sharing, sampling)
+                setattr(self, ENGINE_STATE_ATTRIBUTE, engine_session.start_engine(self, config, parked, sharing,
+                                                                                   sampling))
             return result
         finally:
             if parked is not None:
@@ -96,7 +105,7 @@ def _module_attributes(module: Any, attributes: dict[str, Any]):
 def _wrap_sync_weights(original):
     @functools.wraps(original)
     def sync_weights(self):
-        state = getattr(self, "_trl_turbo_engine", None)
+        state = engine_state(self)
         start = time.perf_counter()
         if state is not None and (state.merged is not None or state.fp8 is not None):
             result = None  # the base never changes; the adapter is merged (or quantized in) at each generation
@@ -118,7 +127,7 @@ def _wrap_sync_weights(original):
 def _wrap_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        state = getattr(self, "_trl_turbo_engine", None)
+        state = engine_state(self)
         if state is None:
             return original(self, *args, **kwargs)
         with engine_session.generating(self.llm, state, self.accelerator.device):

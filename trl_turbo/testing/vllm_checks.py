@@ -19,6 +19,7 @@ import torch
 
 from trl_turbo.bench.shapes import QUANTIZATIONS as BENCH_QUANTIZATIONS
 from trl_turbo.testing.tokenizer import EOS_ID, VOCAB, build_tokenizer
+from trl_turbo.vllm.engine_plan import engine_state
 from trl_turbo.vllm.quantized import is_packed_4bit
 
 
@@ -93,7 +94,7 @@ def logprob_gaps(trainer: Any, prompts: int = 8, tokens: int = 8) -> tuple[float
     import contextlib
 
     generation = trainer.vllm_generation
-    state = generation._trl_turbo_engine
+    state = engine_state(generation)
     generation.sync_weights()
     token_ids = [[3 + (7 * i + j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
     # merged sampling: the adapter is in vLLM's weights for this block only
@@ -180,7 +181,7 @@ def sampling_mode(trainer: Any) -> str:
     """The sampling mode the trainer's engine chose, and that vLLM's model has LoRA layers exactly when it is "lora"."""
     from trl_turbo.vllm.engine import driver_model
 
-    state = trainer.vllm_generation._trl_turbo_engine
+    state = engine_state(trainer.vllm_generation)
     mode = "merged" if state.merged is not None else "fp8" if state.fp8 is not None else "lora"
     lora_layers = any(".base_layer." in name for name, _ in driver_model(trainer.vllm_generation.llm).named_parameters())
     if lora_layers != (mode == "lora"):
@@ -221,7 +222,7 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     trainer.model.to(trainer.accelerator.device)
     randomize_adapter(trainer.model)
     llm = trainer.vllm_generation.llm
-    separate = trainer.vllm_generation._trl_turbo_engine.copy_bytes > 0
+    separate = engine_state(trainer.vllm_generation).copy_bytes > 0
     result: dict[str, Any] = {"arch": arch, "quantization": quantization, "separate_copy": separate,
                               "fallback_warnings": sum("separate 16-bit copy" in str(w.message) for w in caught),
                               "copies_before": weight_copies(trainer)}
@@ -255,7 +256,7 @@ def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 8) -> d
     given the size a few hundred steps of training would give it (`randomize_adapter`), so the drift the alarm watches
     for shows within the test's steps. Returns at which step the alarm tripped (None: never) and the logged gaps."""
     trainer = build_trainer(arch, path, steps=steps, completion_cap=8, turbo_vllm_sampling=sampling)
-    state = trainer.vllm_generation._trl_turbo_engine
+    state = engine_state(trainer.vllm_generation)
     if state.merged is None and state.adapters is None:
         raise AssertionError("the engine has neither merged nor LoRA sampling")
     if state.merged is not None:

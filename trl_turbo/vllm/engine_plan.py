@@ -327,9 +327,17 @@ class EngineState:
         self.metrics: dict[str, float] = {}
 
 
+ENGINE_STATE_ATTRIBUTE = "_trl_turbo_engine"  # set on TRL's `VLLMGeneration` by `patches.trl_vllm`
+
+
+def engine_state(generation: Any) -> EngineState | None:
+    """What trl_turbo keeps for a `VLLMGeneration`'s engine (None: TRL's own engine, no trl_turbo features)."""
+    return getattr(generation, ENGINE_STATE_ATTRIBUTE, None)
+
+
 def drain_metrics(generation: Any) -> dict[str, float]:
     """The engine metrics gathered since the last call (empty without trl_turbo's engine features)."""
-    state = getattr(generation, "_trl_turbo_engine", None)
+    state = engine_state(generation)
     if state is None:
         return {}
     metrics, state.metrics = state.metrics, {}

@@ -22,7 +22,7 @@ from ..distributed import local_process_count
 from ..host_memory import available_host_bytes
 from .adapter import adapter_problems, lora_engine_kwargs
 from .dequantized import copy_bytes, dequantized_shape
-from .fp8 import FP8, Fp8Sampling, hf_linear_modules
+from .fp8 import FP8, Fp8Sampling, quantized_linear_modules
 from .kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
@@ -201,9 +201,7 @@ def fp8_parks_base(model: Any) -> bool:
     unless they are 4-bit (little to gain) or the pinned host copy does not fit (then a warning names why)."""
     if four_bit_weights(model):
         return False
-    head = model.get_output_embeddings()
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in hf_linear_modules(model).values()
-                       if m is not head)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in quantized_linear_modules(model))
     problem = host_copy_problem(weight_bytes, local_process_count(), available_host_bytes())
     if problem is not None:
         warnings.warn(f"trl_turbo: fp8 sampling keeps the 16-bit base weights on the device while vLLM samples "
@@ -302,9 +300,7 @@ def _vllm_weight_bytes(model: Any, sharing: Sharing | None, sampling: str | None
         return copy_bytes(model)
     if sampling == FP8:  # 1 byte per linear weight, plus every frozen weight parked on the host meanwhile: the 16-bit
         # embeddings and LM head come back as vLLM's (shared), the linear weights as the training model's own
-        head = model.get_output_embeddings()
-        linear = [m for m in hf_linear_modules(model).values() if m is not head]
-        fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in linear)
+        fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in quantized_linear_modules(model))
         return fp8_bytes + sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's
     # engine loads its own copy of the same storage (a 4-bit model is quantized by vLLM too) next to them. Both add

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..offload.pinned_pool import HostBlocks, PinnedPool
 from ..ops.merge_fp8 import FP8_DTYPE, MergedShard, write_merged_fp8
-from .merge import lora_targets
+from .host_copy import HostCopy, guard_model
+from .merge import LoraTarget, lora_targets
 from .weight_views import LayoutMismatch, SharedView, hf_weight_name
 
 FP8 = "fp8"
@@ -48,8 +48,7 @@ class Fp8Tensor:
 @dataclass(eq=False)
 class _Shard:
     module: torch.nn.Module  # the HF Linear holding the base weight (16-bit or bitsandbytes)
-    lora: Any  # the PEFT LoRA layer adapting it, or None
-    adapter: str
+    lora: LoraTarget | None  # the adapted layer, or None
     start: int
 
 
@@ -72,6 +71,12 @@ def hf_linear_modules(peft_model: Any) -> dict[str, torch.nn.Module]:
     return modules
 
 
+def quantized_linear_modules(peft_model: Any) -> list[torch.nn.Module]:
+    """The frozen Linear modules whose matrices vLLM's fp8 engine holds quantized: all but the LM head (16-bit)."""
+    head = peft_model.get_output_embeddings()
+    return [module for module in hf_linear_modules(peft_model).values() if module is not head]
+
+
 class Fp8Sampling:
     """Writes vLLM's fp8 linear weights from the training model's base weights and live adapter (`write`)."""
 
@@ -81,7 +86,7 @@ class Fp8Sampling:
         """`fp8_tensors`: vLLM's fp8 weights by name; `views`: the plan's views onto them (HF weight -> rows);
         `park_base`: move the 16-bit base weights to the host while vLLM samples (see the module docstring)."""
         modules = hf_linear_modules(peft_model)
-        loras = {hf_weight_name(f"{t.name}.weight"): t.layer for t in lora_targets(peft_model, adapter)}
+        loras = {hf_weight_name(f"{t.name}.weight"): t for t in lora_targets(peft_model, adapter)}
         by_tensor: dict[str, list[_Shard]] = {name: [] for name in fp8_tensors}
         for view in views:
             if view.vllm_name not in fp8_tensors:
@@ -89,8 +94,7 @@ class Fp8Sampling:
             if view.hf_name not in modules:
                 raise LayoutMismatch(f"{view.hf_name} maps to vLLM's fp8 {view.vllm_name} but is not a frozen Linear "
                                      "weight of the training model")
-            by_tensor[view.vllm_name].append(_Shard(modules[view.hf_name], loras.pop(view.hf_name, None), adapter,
-                                                    view.start))
+            by_tensor[view.vllm_name].append(_Shard(modules[view.hf_name], loras.pop(view.hf_name, None), view.start))
         if loras:
             raise LayoutMismatch(f"the adapter adapts {sorted(loras)[:3]}, which vLLM does not hold in fp8; "
                                  "`turbo_vllm_sampling='fp8'` can apply adapters on linear layers vLLM quantizes only")
@@ -105,8 +109,7 @@ class Fp8Sampling:
         self._parking: _Parking | None = None
         if park_base:
             modules = [shard.module for m in self.matrices for shard in m.shards]
-            base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-            self._parking = _Parking(modules, base, torch.cuda.is_available() if pin is None else pin)
+            self._parking = _Parking(modules, peft_model, torch.cuda.is_available() if pin is None else pin)
 
     @property
     def parked_host_bytes(self) -> int:
@@ -133,9 +136,8 @@ class Fp8Sampling:
         weight = _base_matrix(shard.module, self.compute_dtype)
         if shard.lora is None:
             return MergedShard(weight, None, None, 1.0, shard.start)
-        layer, adapter = shard.lora, shard.adapter
-        return MergedShard(weight, layer.lora_B[adapter].weight.detach(), layer.lora_A[adapter].weight.detach(),
-                           float(layer.scaling[adapter]), shard.start)
+        b, a, scaling = shard.lora.factors()
+        return MergedShard(weight, b.detach(), a.detach(), scaling, shard.start)
 
     def unpark(self) -> None:
         """Bring the parked 16-bit weights back (copies enqueued on the current stream: later kernels see them)."""
@@ -154,28 +156,20 @@ class Fp8Sampling:
 
 
 class _Parking:
-    """16-bit weights moved off the device and back, from a pinned host copy taken once."""
+    """16-bit weights moved off the device and back, from a host copy taken once."""
 
-    def __init__(self, modules: list[torch.nn.Module], base: torch.nn.Module, pin: bool) -> None:
+    def __init__(self, modules: list[torch.nn.Module], peft_model: Any, pin: bool) -> None:
         for module in modules:
             if module.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise ValueError(f"only 16/32-bit weights are parked, not {module.weight.dtype}")
         self._modules = modules
         self._homes = [(m.weight.shape, m.weight.dtype, m.weight.device) for m in modules]
-        self._pool = PinnedPool(budget_bytes=2**62, pin=pin, purpose="fp8 sampling's parked 16-bit weights",
-                                remedy="Bringing them back then blocks the host for the copy.")
-        self._host: list[HostBlocks] = []
-        for module in modules:
-            flat = _flat_bytes(module.weight)
-            blocks = self._pool.acquire(flat.numel())
-            blocks.store(flat, non_blocking=False)
-            self._host.append(blocks)
-        self.host_bytes = self._pool.allocated_bytes
+        self._copy = HostCopy((m.weight for m in modules), pin=pin, purpose="fp8 sampling's parked 16-bit weights",
+                              remedy="Bringing them back then blocks the host for the copy.")
+        self.host_bytes = self._copy.host_bytes
         self._index = {id(m): i for i, m in enumerate(modules)}
         self._parked: set[int] = set()
-        self._events: tuple[Any, Any] | None = None
-        self._hooks = [base.register_forward_pre_hook(lambda *_: self.unpark()),
-                       base.register_state_dict_pre_hook(lambda *_, **__: self.unpark())]
+        self._hooks = guard_model(peft_model, self.unpark)
 
     def park(self, modules: Any) -> None:
         for module in modules:
@@ -188,26 +182,18 @@ class _Parking:
     def unpark(self) -> None:
         if not self._parked:
             return
-        timed = any(home[2].type == "cuda" for home in self._homes)
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else None
-        if events:
-            events[0].record()
-        for i in sorted(self._parked):
-            shape, dtype, device = self._homes[i]
-            weight = torch.empty(shape, dtype=dtype, device=device)
-            self._host[i].load(_flat_bytes(weight), non_blocking=True)
+        weights = {i: torch.empty(self._homes[i][0], dtype=self._homes[i][1], device=self._homes[i][2])
+                   for i in sorted(self._parked)}
+        self._copy.load(weights.items())
+        for i, weight in weights.items():
             self._modules[i].weight.data = weight
         self._parked.clear()
-        if events:
-            events[1].record()
-        self._events = events
 
     def take_metrics(self) -> dict[str, float]:
         metrics = {"vllm/parked_host_gib": self.host_bytes / 2**30}
-        events, self._events = self._events, None
-        if events is not None:
-            events[1].synchronize()
-            metrics["vllm/unpark_s"] = events[0].elapsed_time(events[1]) / 1000
+        seconds = self._copy.take_copy_seconds()
+        if seconds is not None:
+            metrics["vllm/unpark_s"] = seconds
         return metrics
 
     def close(self) -> None:
@@ -215,16 +201,7 @@ class _Parking:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the host copy must outlive the copies reading it
-        for blocks in self._host:
-            self._pool.release(blocks)
-        self._host.clear()
-        self._pool.close()
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
+        self._copy.close()
 
 
 def _base_matrix(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..offload.pinned_pool import HostBlocks, PinnedPool
+from .host_copy import HostCopy, guard_model
 
 # fp32 scratch of one merge block: rows * in_features * 4 bytes stays under this
 _MERGE_BLOCK_BYTES = 64 << 20
@@ -111,10 +111,6 @@ def merge_into(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: 
         block.copy_(torch.add(block.float(), delta, alpha=scaling))
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
 class MergedSampling:
     """The adapter merged into the shared base weights for the length of a `sampling()` block, restored bit-exactly
     from a host copy however the block ends."""
@@ -128,25 +124,15 @@ class MergedSampling:
             if not target.weight.is_contiguous():
                 raise ValueError(f"trl_turbo: {target.name}'s base weight is not contiguous; it cannot be merged in "
                                  "place")
-        pin = torch.cuda.is_available() if pin is None else pin
-        self._pool = PinnedPool(budget_bytes=2**62, pin=pin, purpose="merged sampling's copy of the base weights",
-                                remedy="Each restore then blocks the host for its copy; `turbo_vllm_sampling='lora'` "
-                                "needs no host copy.")
-        self._host: list[HostBlocks] = []
-        for target in self.targets:
-            flat = _flat_bytes(target.weight)
-            blocks = self._pool.acquire(flat.numel())
-            blocks.store(flat, non_blocking=False)
-            self._host.append(blocks)
-        self.host_bytes = self._pool.allocated_bytes
+        self._copy = HostCopy((t.weight for t in self.targets), pin=torch.cuda.is_available() if pin is None else pin,
+                              purpose="merged sampling's copy of the base weights",
+                              remedy="Each restore then blocks the host for its copy; `turbo_vllm_sampling='lora'` "
+                              "needs no host copy.")
+        self.host_bytes = self._copy.host_bytes
         self.weight_bytes = sum(t.weight.numel() * t.weight.element_size() for t in self.targets)
         self.merged = False
         self.metrics: dict[str, float] = {}
-        self._restore_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._hooks = []
-        base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-        self._hooks.append(base.register_forward_pre_hook(lambda *_: self.ensure_restored()))
-        self._hooks.append(base.register_state_dict_pre_hook(lambda *_, **__: self.ensure_restored()))
+        self._hooks = guard_model(peft_model, self.ensure_restored)
 
     def merge(self) -> None:
         """Merge the live adapter into every adapted base weight (synchronised, so `merge_s` is what it took)."""
@@ -164,25 +150,16 @@ class MergedSampling:
         """Copy the base weights back from the host copy (enqueued on the current stream; later kernels see them)."""
         if not self.merged:
             return
-        timed = self.targets and self.targets[0].weight.is_cuda
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else None
-        if events:
-            events[0].record()
-        for target, blocks in zip(self.targets, self._host):
-            blocks.load(_flat_bytes(target.weight), non_blocking=True)
+        self._copy.load(enumerate(target.weight for target in self.targets))
         self.merged = False
-        if events:
-            events[1].record()
-        self._restore_events = events
         self.metrics["vllm/restore_gib"] = self.weight_bytes / 2**30
 
     def take_metrics(self) -> dict[str, float]:
         """Merge time, restore copy time (from CUDA events; waits for the copy) and bytes since the last call."""
         metrics, self.metrics = self.metrics, {}
-        events, self._restore_events = self._restore_events, None
-        if events is not None:
-            events[1].synchronize()
-            metrics["vllm/restore_s"] = events[0].elapsed_time(events[1]) / 1000
+        seconds = self._copy.take_copy_seconds()
+        if seconds is not None:
+            metrics["vllm/restore_s"] = seconds
         return metrics
 
     def ensure_restored(self) -> None:
@@ -204,12 +181,7 @@ class MergedSampling:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the host copy must outlive the restore copies reading it
-        for blocks in self._host:
-            self._pool.release(blocks)
-        self._host.clear()
-        self._pool.close()
+        self._copy.close()
 
 
 def _synchronize(targets: list[LoraTarget]) -> None:

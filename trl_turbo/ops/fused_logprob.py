@@ -30,12 +30,13 @@ Without any gradient (no_grad, or nothing requires grad) only the statistics are
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from packaging.version import Version
+
+from .backend import TritonOrTorch
 
 try:
     from ..kernels import logprob as _triton_logprob
@@ -46,7 +47,6 @@ except ImportError:  # Triton is Linux-only; elsewhere the torch tile functions 
 _MM_OUT_DTYPE = Version(torch.__version__) >= Version("2.8.0")
 _CUDA_TILE_BYTES = 256 * 2**20
 _CPU_CHUNK_TOKENS = 1024
-_forced_backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,33 +56,10 @@ class _Transform:
     inv_t: float
 
 
-@contextlib.contextmanager
-def _force_backend(name: str) -> Iterator[None]:
-    """Run the per-tile steps with `"triton"` or `"torch"` regardless of device (tests)."""
-    global _forced_backend
-    if name not in ("triton", "torch"):
-        raise ValueError(f"unknown backend {name!r}")
-    previous, _forced_backend = _forced_backend, name
-    try:
-        yield
-    finally:
-        _forced_backend = previous
-
-
-def _triton_usable(device: torch.device) -> bool:
-    if _triton_logprob is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and _triton_logprob.INTERPRETED)
-
-
-def _use_triton(device: torch.device) -> bool:
-    if _forced_backend == "torch":
-        return False
-    if _forced_backend == "triton" and not _triton_usable(device):
-        raise RuntimeError(
-            f"Triton backend forced but unusable on {device.type} (CPU needs TRITON_INTERPRET=1 before import)"
-        )
-    return _triton_usable(device)
+_backend = TritonOrTorch(_triton_logprob)
+_force_backend = _backend.force  # tests: run the per-tile steps with "triton" or "torch" regardless of device
+_triton_usable = _backend.usable
+_use_triton = _backend.use_triton
 
 
 def _torch_transform(tile: torch.Tensor, tf: _Transform) -> tuple[torch.Tensor, torch.Tensor | float]:

@@ -11,11 +11,12 @@ row blocks of bounded fp32 scratch.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .backend import TritonOrTorch
 
 try:
     from ..kernels import merge_fp8 as _triton_merge_fp8
@@ -26,8 +27,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_AMAX = 1e-12  # an all-zero tensor gets a tiny positive scale, never a division by zero
 _BLOCK_BYTES = 64 << 20  # fp32 scratch of one torch-path block
-
-_forced_backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,27 +45,9 @@ class MergedShard:
         return self.start + self.weight.shape[0]
 
 
-@contextlib.contextmanager
-def _force_backend(name: str) -> Iterator[None]:
-    """Run with `"triton"` or `"torch"` regardless of device (tests)."""
-    global _forced_backend
-    if name not in ("triton", "torch"):
-        raise ValueError(f"unknown backend {name!r}")
-    previous, _forced_backend = _forced_backend, name
-    try:
-        yield
-    finally:
-        _forced_backend = previous
-
-
-def _use_triton(device: torch.device) -> bool:
-    usable = _triton_merge_fp8 is not None and (
-        device.type == "cuda" or (device.type == "cpu" and _triton_merge_fp8.INTERPRETED))
-    if _forced_backend == "torch":
-        return False
-    if _forced_backend == "triton" and not usable:
-        raise RuntimeError(f"Triton backend forced but unusable on {device.type} (CPU needs TRITON_INTERPRET=1)")
-    return usable
+_backend = TritonOrTorch(_triton_merge_fp8)
+_force_backend = _backend.force  # tests: run with "triton" or "torch" regardless of device
+_use_triton = _backend.use_triton
 
 
 def _merged_rows(shard: MergedShard, start: int, stop: int) -> torch.Tensor:

@@ -5,12 +5,12 @@ learning on a verifiable toy task with vLLM sampling."""
 from __future__ import annotations
 
 import importlib.util
-import warnings
 
 import pytest
 import torch
 
 from trl_turbo.testing import vllm_checks
+from trl_turbo.vllm.engine_plan import engine_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -20,30 +20,12 @@ STEPS = 50
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from transformers import TrainerCallback
-
     trainer = vllm_checks.build_trainer("llama", tmp_path_factory.mktemp("tiny-llama"), steps=STEPS,
                                         completion_cap=CAP)
     result = {"trainer": trainer, "copies": vllm_checks.weight_copies(trainer),
               "sampling": vllm_checks.sampling_mode(trainer)}
-    vllm_checks.randomize_adapter(trainer.model)
-    before = vllm_checks.frozen_snapshot(trainer)
-    result["gaps_before"] = vllm_checks.logprob_gaps(trainer)
-    used = []
-
-    class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            free, total = torch.cuda.mem_get_info()
-            used.append(total - free)
-
-    trainer.add_callback(Record())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train()
-    result["rollout_alarms"] = vllm_checks.rollout_alarms(caught)
-    result["used"] = used
-    result["gaps_after"] = vllm_checks.logprob_gaps(trainer)
-    result["changed_after_training"] = vllm_checks.changed_matrices(trainer, before)
+    result.update(vllm_checks.train_recording(trainer))
+    before = result["snapshot"]
     generation = trainer.vllm_generation
 
     def failing_generate(*args, **kwargs):
@@ -56,7 +38,7 @@ def run(tmp_path_factory):
     finally:
         del generation.llm.generate
     result["changed_after_failure"] = vllm_checks.changed_matrices(trainer, before)
-    result["merged_after_failure"] = generation._trl_turbo_engine.merged.merged
+    result["merged_after_failure"] = engine_state(generation).merged.merged
     result["gaps_after_failure"] = vllm_checks.logprob_gaps(trainer)
     print({k: v for k, v in result.items() if k.startswith("gaps")})
     return result

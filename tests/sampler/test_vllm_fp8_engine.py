@@ -6,12 +6,12 @@ task is learned as with 16-bit sampling (`test_vllm_engine.py`)."""
 from __future__ import annotations
 
 import importlib.util
-import warnings
 
 import pytest
 import torch
 
 from trl_turbo.testing import vllm_checks
+from trl_turbo.vllm.engine_plan import engine_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
@@ -23,31 +23,12 @@ STEPS = 50
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from transformers import TrainerCallback
-
     trainer = vllm_checks.build_trainer("llama", tmp_path_factory.mktemp("tiny-llama-fp8"), steps=STEPS,
                                         completion_cap=CAP, turbo_vllm_sampling="fp8",
                                         turbo_vllm_kv_cache_dtype="fp8")
-    state = trainer.vllm_generation._trl_turbo_engine
+    state = engine_state(trainer.vllm_generation)
     result = {"trainer": trainer, "sampling": vllm_checks.sampling_mode(trainer), "state": state}
-    vllm_checks.randomize_adapter(trainer.model)
-    before = vllm_checks.frozen_snapshot(trainer)
-    result["gaps_before"] = vllm_checks.logprob_gaps(trainer)
-    used = []
-
-    class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            free, total = torch.cuda.mem_get_info()
-            used.append(total - free)
-
-    trainer.add_callback(Record())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train()
-    result["rollout_alarms"] = vllm_checks.rollout_alarms(caught)
-    result["used"] = used
-    result["gaps_after"] = vllm_checks.logprob_gaps(trainer)
-    result["changed_after_training"] = vllm_checks.changed_matrices(trainer, before)
+    result.update(vllm_checks.train_recording(trainer))
     print({k: v for k, v in result.items() if k.startswith("gaps")},
           {"released_gib": state.standby.bytes / 2**30, "kv_gib": state.standby.kv_bytes / 2**30,
            "fp8_copy_gib": state.fp8.copy_bytes / 2**30, "resident_gib": state.standby.resident_bytes / 2**30})

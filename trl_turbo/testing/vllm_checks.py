@@ -245,6 +245,31 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     return result
 
 
+def train_recording(trainer: Any) -> dict[str, Any]:
+    """Randomize the adapter, then train with the engine: device memory in use after each step, rollout alarms
+    raised, the frozen matrices changed, and the sampler's log-prob gaps (live adapter, base) before and after."""
+    from transformers import TrainerCallback
+
+    randomize_adapter(trainer.model)
+    before = frozen_snapshot(trainer)
+    result: dict[str, Any] = {"gaps_before": logprob_gaps(trainer), "used": []}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            free, total = torch.cuda.mem_get_info()
+            result["used"].append(total - free)
+
+    trainer.add_callback(Record())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    result["rollout_alarms"] = rollout_alarms(caught)
+    result["gaps_after"] = logprob_gaps(trainer)
+    result["changed_after_training"] = changed_matrices(trainer, before)
+    result["snapshot"] = before
+    return result
+
+
 def rollout_alarms(caught: list[Any]) -> int:
     """How many of the recorded warnings are the rollout sanity alarm."""
     return sum("do not come from the policy" in str(w.message) for w in caught)

@@ -7,15 +7,11 @@ Models vLLM cannot share with (8-bit, 4-bit with bf16 storage, a family outside 
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from trl_turbo.families import SHARED_WEIGHT_MODEL_TYPES
-from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
+from trl_turbo.testing import vllm_checks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
@@ -34,15 +30,7 @@ ADAPTER_GAP_BOUND = {"int8": 0.1}
 
 
 def _checks(arch, quantization, tmp_path, sampling="auto", *extra):
-    # An engine of this process (test_vllm_engine.py) left TRL's MASTER_PORT etc. in os.environ
-    command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(tmp_path), quantization or "none",
-               sampling, *extra]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
-    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, process.stdout[-3000:] + process.stderr[-6000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
-    print(result)
-    return result
+    return vllm_checks.run_in_child(arch, tmp_path, quantization, sampling, *extra)
 
 
 @pytest.mark.parametrize(("arch", "quantization"), CASES, ids=[f"{a}-{q or 'bf16'}" for a, q in CASES])

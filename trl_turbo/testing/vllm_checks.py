@@ -270,6 +270,85 @@ def train_recording(trainer: Any) -> dict[str, Any]:
     return result
 
 
+@torch.no_grad()
+def greedy_comparison(trainer: Any, path: Path, prompts: int = 8, tokens: int = 16) -> dict[str, Any]:
+    """Greedy vLLM samples in the engine's merged mode against greedy decoding of HF with the adapter merged (a fresh
+    copy of the base from ``path``, merged in fp32 and rounded once to bf16, as the merged mode writes it) and of HF
+    without the adapter (the control). Per prompt and reference: the index of the first token where HF's greedy
+    choice differs from vLLM's (None: all the same) and, there, HF's margin between its top two logits (kernels'
+    rounding flips only near ties)."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    generation = trainer.vllm_generation
+    state = engine_state(generation)
+    if state.merged is None:
+        raise AssertionError("greedy_comparison checks the merged mode")
+    generation.sync_weights()
+    token_ids = [[3 + (5 * i + 2 * j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
+    with state.merged.sampling():
+        state.standby.restore()
+        outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
+                                          SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                                          use_tqdm=False)
+        state.standby.release()
+    sampled = [list(output.outputs[0].token_ids) for output in outputs]
+
+    device = trainer.model.device
+    fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
+                           trainer.model.peft_config["default"])
+    set_peft_model_state_dict(fresh, {name: tensor.float().cpu()
+                                      for name, tensor in get_peft_model_state_dict(trainer.model).items()})
+    references = {"merged_hf": fresh.merge_and_unload().to(device=device, dtype=torch.bfloat16),
+                  "base_hf": AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(device)}
+    result: dict[str, Any] = {}
+    for name, model in references.items():
+        model.eval()
+        first_difference: list[int | None] = []
+        margins: list[float | None] = []
+        for prompt, vllm_tokens in zip(token_ids, sampled):
+            ids = torch.tensor([prompt], device=device)
+            index, margin = None, None
+            for position, vllm_token in enumerate(vllm_tokens):
+                top = model(ids).logits[0, -1].float().topk(2)
+                if int(top.indices[0]) != vllm_token:
+                    index, margin = position, float(top.values[0] - top.values[1])
+                    break
+                ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+            first_difference.append(index)
+            margins.append(margin)
+        result[name] = {"first_difference": first_difference, "margin_at_difference": margins}
+    return result
+
+
+def curve_run(arch: str, path: Path, sampling: str, vllm_seed_offset: int = 0, steps: int = 30) -> dict[str, Any]:
+    """Train the toy task with eager vLLM in one sampling mode; the engine's sampling seed is shifted by
+    ``vllm_seed_offset`` (the run-to-run noise reference). Returns the per-step loss, reward and the sampler/trainer
+    log-prob gap TRL logs."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_turbo import registry
+
+    original = vllm_generation.LLM
+
+    def shifted_llm(*args: Any, **kwargs: Any) -> Any:
+        kwargs["seed"] = kwargs.get("seed", 0) + vllm_seed_offset
+        kwargs["enforce_eager"] = True
+        return original(*args, **kwargs)
+
+    with registry.scoped(vllm_generation, "LLM", shifted_llm):
+        trainer = build_trainer(arch, path, steps=steps, completion_cap=16, turbo_vllm_sampling=sampling)
+    trainer.train()
+    logs = trainer.state.log_history
+
+    def series(key: str) -> list[float]:
+        return [log[key] for log in logs if key in log]
+
+    return {"arch": arch, "sampling": sampling_mode(trainer), "loss": series("loss"), "reward": series("reward"),
+            "logp_gap": series("sampling/sampling_logp_difference/mean")}
+
+
 def rollout_alarms(caught: list[Any]) -> int:
     """How many of the recorded warnings are the rollout sanity alarm."""
     return sum("do not come from the policy" in str(w.message) for w in caught)
@@ -310,6 +389,26 @@ def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 8) -> d
             "tripped_at_step": tripped_at[0] if tripped_at else None, "gaps": gaps}
 
 
+def run_in_child(arch: str, workdir: Path, quantization: str | None = None, sampling: str = "auto",
+                 *extra: str) -> dict[str, Any]:
+    """Run this module's checks for ``arch`` in a fresh Python process (one vLLM engine per process) and return its
+    ``RESULT`` line; ``extra`` selects another check ("stale", or "curve" and a vLLM seed offset)."""
+    import subprocess
+
+    from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
+
+    # An engine of the calling process left TRL's MASTER_PORT etc. in os.environ
+    command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(workdir), quantization or "none",
+               sampling, *extra]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
+    lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+    if process.returncode != 0 or not lines:
+        raise AssertionError(process.stdout[-3000:] + process.stderr[-6000:])
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    print(result)
+    return result
+
+
 if __name__ == "__main__":
     import os
 
@@ -320,6 +419,8 @@ if __name__ == "__main__":
     sampling = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if sys.argv[5:] == ["stale"]:
         result = {"rank": rank, **stale_adapter_run(sys.argv[1], workdir, sampling)}
+    elif sys.argv[5:6] == ["curve"]:
+        result = {"rank": rank, **curve_run(sys.argv[1], workdir, sampling, vllm_seed_offset=int(sys.argv[6]))}
     else:
         result = {"rank": rank, **check_family(sys.argv[1], workdir, quantization=quantization, sampling=sampling)}
     print("RESULT " + json.dumps(result), flush=True)

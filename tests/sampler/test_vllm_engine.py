@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")]
 CAP = 16
 STEPS = 50
-# A top-two logit margin within kernels' rounding (the sampler/trainer log-prob gap here is below 0.05)
+# A top-two logit margin within kernels' rounding (measured: greedy paths part at margins of 0 and 0.004)
 NEAR_TIE = 0.05
 
 
@@ -61,10 +61,12 @@ def test_merged_sampling_never_changes_the_base_weights(run):
 def test_greedy_merged_samples_equal_hf_with_the_adapter_merged(run):
     merged, control = run["greedy"]["merged_hf"], run["greedy"]["base_hf"]
     print(run["greedy"])
-    assert sum(index is None for index in merged["first_difference"]) >= 6, merged
+    # A random-init bf16 model has exact ties (margin 0): greedy paths may part there, and only there
     assert all(margin is None or margin < NEAR_TIE for margin in merged["margin_at_difference"]), merged
-    # the control: without the adapter, HF's greedy samples are not vLLM's, so the match above is the adapter's
-    assert sum(index is not None for index in control["first_difference"]) >= 6, control
+    assert sum(index is None or index >= 8 for index in merged["first_difference"]) >= 6, merged
+    # the control: without the adapter HF parts from vLLM at clear margins, so the agreement above is the adapter's
+    parted = [margin for margin in control["margin_at_difference"] if margin is not None and margin >= NEAR_TIE]
+    assert len(parted) >= 6, control
 
 
 def test_base_weights_exist_once(run):

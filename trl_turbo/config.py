@@ -103,12 +103,31 @@ class TurboFields:
         default=_LOSS_DEFAULTS.kl_cov_coef,
         metadata={"help": "loss_type='kl_cov' (arXiv 2505.22617): coefficient of the |log r| penalty (paper: 1)."},
     )
+    turbo_memory_plan: str = field(
+        default="auto",
+        metadata={
+            "help": "How the training phase spends device memory, with gradient_checkpointing (TRL's default). "
+            "'auto' (default): at each training forward the first decoder layer keeps its activations while their "
+            "size is measured, and the other layers are planned from the device memory free at that moment (with "
+            "turbo_vllm_standby: at most what the last generation used, so the step's peak does not rise): as many "
+            "layers as fit keep their activations (no recompute), then checkpoint their input on the device, the "
+            "rest offload it to host memory (turbo_offload_checkpoints). When a forward cannot keep every layer, "
+            "later micro-batches are split into sequence groups small enough to (within "
+            "turbo_forward_token_budget, at least one sequence and 2048 tokens). A peak above the prediction "
+            "re-plans later micro-batches with more reserve. The plan is printed once and logged as memory_plan/* "
+            "metrics. 'min': the most frugal plan (every layer "
+            "checkpointed and, on a CUDA device, offloaded). 'off': stock behaviour (transformers' checkpointing, no "
+            "tiled MLP, lean norms or sequence groups). Decoder layers of " + listed(MODEL_TYPES) + "; other layers "
+            "keep transformers' checkpointing. Gradients equal plain checkpointing's up to float reassociation."
+        },
+    )
     turbo_offload_checkpoints: bool = field(
         default=True,
         metadata={
-            "help": "With gradient_checkpointing: each decoder layer's checkpointed input goes to pinned CPU memory on "
+            "help": "With gradient_checkpointing: a checkpointed decoder layer's input goes to pinned CPU memory on "
             "a side stream during the forward pass and is prefetched back one layer ahead during the backward "
-            "pass. Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. Decoder layers "
+            "pass ('min': every layer; 'auto': the layers the memory plan cannot hold on the device; False: none). "
+            "Gradients are bitwise those of plain checkpointing. Inert without a CUDA device. Decoder layers "
             "of " + listed(MODEL_TYPES) + "; other layers (MoE, other families) keep transformers' checkpointing. One process, DDP or DeepSpeed ZeRO-1/2 (under ZeRO-3 or FSDP it stays "
             "off, with a warning)."
         },
@@ -124,7 +143,8 @@ class TurboFields:
     turbo_tiled_mlp: bool = field(
         default=True,
         metadata={
-            "help": "Compute each decoder layer's MLP over token tiles (recomputed per tile in the backward pass), "
+            "help": "Compute each checkpointed decoder layer's MLP over token tiles (recomputed per tile in the "
+            "backward pass; layers whose activations the memory plan keeps run it untiled), "
             "so its working set does not grow with the micro-batch's token count. Gradients equal plain MLP's up "
             "to float reassociation; micro-batches of at most turbo_tiled_mlp_tokens tokens are untouched, and so "
             "are MLPs with active dropout (lora_dropout > 0). The dense MLPs of the families "
@@ -144,7 +164,7 @@ class TurboFields:
             "whole micro-batch, so activation memory follows one group. Gradients equal the unsplit pass up to float "
             "reassociation; per-step metrics are averaged over groups as TRL averages micro-batches. Not applied "
             "with top_entropy_quantile < 1, clip_cov/kl_cov, adaptive entropy, MoE aux losses, DeepSpeed or image "
-            "inputs. None: never split."
+            "inputs, or with turbo_memory_plan='off'. None: never split."
         },
     )
     turbo_lean_norms: bool = field(
@@ -152,7 +172,7 @@ class TurboFields:
         metadata={
             "help": "Llama-style RMSNorms (" + listed(LLAMA_NORM_MODEL_TYPES) + ") keep only their input and one fp32 scalar "
             "per token for the backward pass instead of fp32 copies of the activations; the forward output is "
-            "bitwise the same, gradients equal up to rounding."
+            "bitwise the same, gradients equal up to rounding. Off with turbo_memory_plan='off'."
         },
     )
     turbo_vllm_match_precision: bool = field(
@@ -247,6 +267,12 @@ class TurboFields:
 
 
 TURBO_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(TurboFields)
+MEMORY_PLANS = ("auto", "min", "off")
+
+
+def memory_plan(args: Any) -> str:
+    """The run's `turbo_memory_plan` ('off' for a config without trl_turbo's fields)."""
+    return getattr(args, "turbo_memory_plan", "off")
 
 
 def validate(args: Any) -> None:
@@ -265,6 +291,8 @@ def validate(args: Any) -> None:
             f"`turbo_forward_token_budget` must be a positive number of tokens or None, got "
             f"{args.turbo_forward_token_budget}."
         )
+    if args.turbo_memory_plan not in MEMORY_PLANS:
+        raise ValueError(f"`turbo_memory_plan={args.turbo_memory_plan!r}` is not one of {', '.join(MEMORY_PLANS)}.")
     budget = args.turbo_offload_host_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")

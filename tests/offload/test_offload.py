@@ -338,7 +338,8 @@ def test_trainer_installs_runtime_and_tiles(tmp_path):
 
 def test_trainer_switches_off_install_nothing(tmp_path):
     trainer = parity.build_trainer(parity.base_config_kwargs(
-        str(tmp_path), gradient_checkpointing=True, turbo_offload_checkpoints=False, turbo_tiled_mlp=False))
+        str(tmp_path), gradient_checkpointing=True, turbo_memory_plan="min", turbo_offload_checkpoints=False,
+        turbo_tiled_mlp=False))
     assert trainer._trl_turbo_checkpointing is None
     assert not any("forward" in layer.mlp.__dict__ for layer in trainer.model.model.layers)
 
@@ -347,7 +348,8 @@ def test_trainer_switches_off_install_nothing(tmp_path):
 def test_training_with_checkpointing_and_tiles_matches_stock(peft):
     overrides = {"gradient_checkpointing": True, "max_completion_length": 8}
     stock = parity.run_training("stock", overrides, steps=2, peft=peft, model_kwargs={"tie_word_embeddings": False})
-    turbo = parity.run_training("turbo", {**overrides, "turbo_tiled_mlp_tokens": 5}, steps=2, peft=peft,
+    turbo = parity.run_training("turbo", {**overrides, "turbo_tiled_mlp_tokens": 5, "turbo_memory_plan": "min"},
+                                steps=2, peft=peft,
                                 model_kwargs={"tie_word_embeddings": False})
     parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
 

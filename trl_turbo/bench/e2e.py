@@ -44,6 +44,7 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {"vllm_enable_sleep_mode": True},
     "turbo": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True},  # merged sampling (the default)
     "turbo-lora": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "lora"},
+    "turbo-min": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_memory_plan": "min"},
     "turbo-fp8": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "fp8",
                   "turbo_vllm_kv_cache_dtype": "fp8"},
 }
@@ -208,7 +209,9 @@ _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy",
            "vllm/generation_s", "vllm/kv_released_gib", "vllm/kv_restored_gib", "memory/device_peak_gib/max",
            "vllm/generation_used_gib", "sampling/sampling_logp_difference/mean",
            "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/p95", "vllm/merge_s",
-           "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib", "vllm/unpark_s")
+           "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib", "vllm/unpark_s",
+           "memory_plan/kept_layers", "memory_plan/device_layers", "memory_plan/offloaded_layers",
+           "memory_plan/layer_activation_gib", "memory_plan/predicted_peak_gib")
 
 
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:

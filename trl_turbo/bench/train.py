@@ -43,6 +43,7 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "stock": {},
     "turbo-loss": {"turbo_offload_checkpoints": False, "turbo_tiled_mlp": False},
     "turbo": {"turbo_liger_layers": False},  # every other default; Liger's share is measured by turbo-liger
+    "turbo-min": {"turbo_liger_layers": False, "turbo_memory_plan": "min"},  # the most frugal memory plan
     "turbo-liger": {"turbo_liger_layers": True},
 }
 VARIANTS = tuple(VARIANT_CONFIG)

@@ -1,5 +1,6 @@
-"""Sequence groups: a training micro-batch over `turbo_forward_token_budget` tokens is forwarded and backpropagated
-in groups of whole sequences, so activation memory follows one group.
+"""Sequence groups: a training micro-batch over `turbo_forward_token_budget` tokens (or, with the automatic memory
+plan, over the tokens at which every layer can keep its activations) is forwarded and backpropagated in groups of
+whole sequences, so activation memory follows one group.
 
 Design decision: a group is a slice of the micro-batch's rows, so only inputs with one row per sequence can be split
 (never image inputs, whose rows are images, patches or tiles), and only losses that are sums over sequences given
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..config import memory_plan
+
 
 def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     """Split the micro-batch into groups of whole sequences of at most `turbo_forward_token_budget` tokens each,
@@ -22,10 +25,12 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     reductions are collectives that every rank has to enter equally often. Ranks' completions are padded to
     different lengths, so a rank-local count could hang the run."""
     budget = getattr(trainer.args, "turbo_forward_token_budget", None)
-    if budget is None or not (torch.is_grad_enabled() and trainer.model.training) or not splittable_loss(trainer):
+    if (budget is None or memory_plan(trainer.args) == "off" or not (torch.is_grad_enabled() and trainer.model.training)
+            or not splittable_loss(trainer)):
         return None
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
+    budget = min(budget, planned_group_tokens(trainer, length) or budget)
     per_group = max(1, budget // length)
     count = -(-sequences // per_group) if sequences * length > budget else 1
     if not rows_are_sequences(inputs, sequences):
@@ -40,6 +45,23 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     for index in range(count):
         bounds.append(bounds[-1] + size + (1 if index < larger else 0))
     return [slice(start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+# Groups the memory plan asks for are at least this many tokens: smaller forwards lose more GEMM efficiency than
+# keeping activations saves recompute.
+MIN_PLANNED_GROUP_TOKENS = 2048
+
+
+def planned_group_tokens(trainer: Any, length: int) -> int | None:
+    """With `turbo_memory_plan='auto'`: the group size in tokens at which every layer keeps its activations, when an
+    earlier forward could not keep them all and such groups hold at least one sequence of `length` tokens and
+    `MIN_PLANNED_GROUP_TOKENS`; else None."""
+    runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
+    planner = runtime.planner if runtime is not None else None
+    tokens = planner.group_tokens() if planner is not None else None
+    if tokens is None or tokens < max(length, MIN_PLANNED_GROUP_TOKENS):
+        return None
+    return tokens
 
 
 def agreed_group_count(accelerator: Any, count: int, device: torch.device) -> int:

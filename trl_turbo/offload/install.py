@@ -20,6 +20,7 @@ from .. import registry
 from ..families import DECODER_LAYER_CLASSES, LLAMA_NORM_CLASSES
 from .checkpoint import CheckpointOffloader, offloaded_checkpoint
 from .lean_norm import LeanRMSNormForward
+from .memory_plan import MemoryPlanner, planned_checkpoint
 from .tiled_mlp import TiledMLPForward
 
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -34,18 +35,30 @@ _configured: weakref.WeakSet = weakref.WeakSet()
 
 @dataclass
 class CheckpointingRuntime:
-    """What a model's checkpointed layers use: the offloader (None: inputs stay on the device) and, per layer, the
-    checkpoint function (each routes its own layer's trainable parameters; see `offload.checkpoint`)."""
+    """What a model's checkpointed layers use: the offloader (None: inputs stay on the device), the memory planner
+    (None: every layer checkpoints) and, per layer, the checkpoint function (each routes its own layer's trainable
+    parameters; see `offload.checkpoint`)."""
 
     offloader: CheckpointOffloader | None
+    planner: MemoryPlanner | None = None
 
     def __post_init__(self) -> None:
         self._functions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._indices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def number_layers(self, layers: list[torch.nn.Module]) -> None:
+        """The decoder layers in forward order (the planner measures at the first and plans by position)."""
+        for index, layer in enumerate(layers):
+            self._indices[layer] = index
 
     def checkpoint_for(self, layer: torch.nn.Module):
         """The checkpoint function of `layer` (the same object on every call)."""
         if layer not in self._functions:
-            self._functions[layer] = offloaded_checkpoint(self.offloader, layer)
+            offloaded = offloaded_checkpoint(self.offloader, layer)
+            if self.planner is not None and layer in self._indices:
+                offloaded = planned_checkpoint(self.planner, self._indices[layer], offloaded,
+                                               offloaded_checkpoint(None, layer))
+            self._functions[layer] = offloaded
         return self._functions[layer]
 
 
@@ -60,9 +73,21 @@ def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
+    """A planner for `model`'s decoder layers (`turbo_memory_plan="auto"`); `can_offload`: an offloader exists."""
+    model_ref = weakref.ref(model)
+
+    def parameters():
+        live = model_ref()
+        return live.parameters() if live is not None else iter(())
+
+    return MemoryPlanner(layer_count=len(_decoder_layers(model)), parameters=parameters, can_offload=can_offload)
+
+
 def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
     """Attach `runtime` to `model`; its checkpointed layers use it now and after every later enable."""
     model._trl_turbo_checkpointing = runtime
+    runtime.number_layers(_decoder_layers(model))
     _configured.add(model)
     use_runtime_in_layers(model, runtime)
 

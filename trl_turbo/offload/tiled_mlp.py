@@ -16,6 +16,9 @@ backward pass; its output values are never read. Where the MLP output feeds the 
 it), the tiled MLP then skips its forward computation. The MLP runs forward twice per step, as with plain
 checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) compute it.
 
+In a layer whose activations the memory plan keeps (`memory_plan.in_kept_layer`) the MLP runs untiled: there is no
+recompute whose working set tiling would bound.
+
 An MLP with active dropout modules (LoRA's `lora_dropout` > 0 in training) runs untiled: a tile recomputed in the
 backward pass would draw other dropout masks than its forward did.
 """
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing, restored_autocast
+from .memory_plan import in_kept_layer
 
 
 def tile_spans(tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
@@ -103,7 +107,8 @@ class TiledMLPForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
-        if not torch.is_grad_enabled() or tokens <= self.tile_tokens or self._dropout_active():
+        if (not torch.is_grad_enabled() or tokens <= self.tile_tokens or self._dropout_active()
+                or in_kept_layer()):  # a layer the memory plan keeps whole: tiles would only add recompute
             return self.original(x)
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]

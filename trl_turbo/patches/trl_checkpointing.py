@@ -8,14 +8,16 @@ statistics reach TRL's metrics through `trl_step_metrics`.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-from ..config import liger_layers_enabled
+from ..config import liger_layers_enabled, memory_plan
 from ..distributed import CHECKPOINTING_FEATURES, local_process_count, unsupported_features
 from ..host_memory import available_host_bytes
 from ..offload import CheckpointOffloader
+from ..vllm.engine_plan import generation_footprint
 from ..offload.install import (
     CheckpointingRuntime,
     detach_model,
@@ -23,6 +25,7 @@ from ..offload.install import (
     install_liger_layers,
     install_runtime,
     install_tiled_mlp,
+    memory_planner,
 )
 
 _GIB = 2**30
@@ -42,18 +45,21 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def configure(trainer: Any) -> CheckpointingRuntime | None:
     """Install trl_turbo's lean norms and checkpointing on the trainer's model per its GRPOConfig; returns the
-    checkpointing runtime, None when checkpointing is off or neither offload nor tiling is wanted."""
+    checkpointing runtime, None when checkpointing is off, `turbo_memory_plan='off'`, or there is nothing to install
+    (no plan, offload or tiling)."""
     args = trainer.args
     model = _base_model(trainer.model)
     if model is not None:  # what an earlier trainer on this model installed: this one installs what its config asks
         detach_model(model)
+    plan = memory_plan(args)
     if liger_layers_enabled(args):
         install_liger_layers(model)  # its norms save as little as the lean ones: they take their place
-    elif getattr(args, "turbo_lean_norms", False):
+    elif getattr(args, "turbo_lean_norms", False) and plan != "off":
         install_lean_norms(model)
     offload = bool(getattr(args, "turbo_offload_checkpoints", False))
     tiled = bool(getattr(args, "turbo_tiled_mlp", False))
-    if not args.gradient_checkpointing or not (offload or tiled) or strategy_keeps_stock_checkpointing(args):
+    if (plan == "off" or not args.gradient_checkpointing or not (plan == "auto" or offload or tiled)
+            or strategy_keeps_stock_checkpointing(args)):
         return None
     offloader = None
     # The accelerator's device, not the parameters': DeepSpeed and FSDP move the model there only when training
@@ -64,7 +70,13 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
         host_bytes = (available_host_bytes() * _HOST_BUDGET_FRACTION / local_process_count() if budget_gib is None
                       else budget_gib * _GIB)
         offloader = CheckpointOffloader(int(host_bytes))
-    runtime = CheckpointingRuntime(offloader)
+    planner = memory_planner(model, can_offload=offloader is not None) if plan == "auto" else None
+    generation = getattr(trainer, "vllm_generation", None)
+    if planner is not None and generation is not None:
+        # A colocated engine in standby: training grows back at most to what the last generation used
+        generation_ref = weakref.ref(generation)
+        planner.ceiling = lambda: generation_footprint(generation_ref()) if generation_ref() is not None else None
+    runtime = CheckpointingRuntime(offloader, planner)
     install_runtime(model, runtime)
     if tiled:
         install_tiled_mlp(model, args.turbo_tiled_mlp_tokens)

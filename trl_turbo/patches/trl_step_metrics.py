@@ -19,13 +19,15 @@ from typing import Any
 import torch
 
 from ..grpo.rollout_check import RolloutCheck, RolloutMismatch
+from ..offload.memory_plan import MemoryPlanner, describe_plan
 from .. import registry
 
 _GAP = "sampling/sampling_logp_difference/mean"
 
 _GIB = 2**30
 # Reduced over ranks by their maximum; every other metric by its mean.
-_MAXIMUM = frozenset({"offload/host_peak_gib", "offload/blocking_fetches", "memory/device_peak_gib/max"})
+_MAXIMUM = frozenset({"offload/host_peak_gib", "offload/blocking_fetches", "memory/device_peak_gib/max",
+                      "memory_plan/predicted_peak_gib", "memory_plan/layer_activation_gib"})
 
 
 def _reduced(accelerator: Any, values: dict[str, float], maximum: frozenset[str]) -> dict[str, float]:
@@ -53,18 +55,43 @@ def step_values(trainer: Any) -> dict[str, float]:
             "offload/blocking_fetches": float(stats.blocking_fetches),
         })
     device = trainer.accelerator.device
+    peak_bytes = None
     if device.type == "cuda":
         # The peak since the last reset: this step's, or its training phase's when the step generated with
         # trl_turbo's vLLM engine (which resets at the end of generation and reports its own memory).
-        peak = torch.cuda.max_memory_allocated(device) / _GIB
+        peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        values["memory/device_peak_gib/mean"] = values["memory/device_peak_gib/max"] = peak
+        values["memory/device_peak_gib/mean"] = values["memory/device_peak_gib/max"] = peak_bytes / _GIB
+    if runtime is not None and runtime.planner is not None:
+        values.update(memory_plan_values(trainer, runtime.planner, peak_bytes))
     generation = getattr(trainer, "vllm_generation", None)
     if generation is not None:
         from .trl_vllm import drain_metrics
 
         values.update(drain_metrics(generation))
     return values
+
+
+def memory_plan_values(trainer: Any, planner: MemoryPlanner, peak_bytes: int | None) -> dict[str, float]:
+    """The micro-step's memory plan as metrics (its forwards' mean layer counts, their largest prediction); a peak
+    above the prediction re-plans later micro-batches (and warns once). The first plan is printed once."""
+    plans = planner.take_step_plans()
+    if plans and not trainer.__dict__.get("_trl_turbo_plan_printed"):
+        trainer._trl_turbo_plan_printed = True
+        if trainer.accelerator.is_main_process:
+            print(describe_plan(plans[0]), flush=True)
+    if peak_bytes is not None:
+        message = planner.observe_peak(plans, peak_bytes)
+        if message is not None:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+    count = max(len(plans), 1)
+    return {
+        "memory_plan/kept_layers": sum(p.kept_layers for p in plans) / count,
+        "memory_plan/device_layers": sum(p.on_device for p in plans) / count,
+        "memory_plan/offloaded_layers": sum(p.offloaded for p in plans) / count,
+        "memory_plan/layer_activation_gib": max((p.layer_bytes for p in plans), default=0) / _GIB,
+        "memory_plan/predicted_peak_gib": max((p.predicted_peak_bytes for p in plans), default=0) / _GIB,
+    }
 
 
 def _wrap_training_step(original):

@@ -47,6 +47,7 @@ def patch_state(variant: str) -> Iterator[None]:
 ALL_FEATURES_OFF: dict[str, Any] = {
     "turbo_fused_loss": False,
     "turbo_reuse_policy_logps": False,
+    "turbo_memory_plan": "off",
     "turbo_offload_checkpoints": False,
     "turbo_tiled_mlp": False,
     "turbo_lean_norms": False,

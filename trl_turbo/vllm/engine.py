@@ -151,6 +151,9 @@ class KVStandby:
         self.resident_bytes = max(0, sum(t.untyped_storage().nbytes() for t in tensors) - released)
         self.bytes = self.kv_bytes + released
         self._weights_mapped = True
+        # Device memory in use (all processes' view of this device) when the last generation ended, before the
+        # release: what a training phase may grow back to without raising the step's peak (the memory plan's ceiling)
+        self.generation_in_use_bytes: int | None = None
 
     def _kv_allocations(self) -> list[Any]:
         return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
@@ -178,6 +181,8 @@ class KVStandby:
             return 0
         self._llm.reset_prefix_cache()
         torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        self.generation_in_use_bytes = total - free
         for data in self._kv_allocations() + (self._weight_allocations if self._weights_mapped else []):
             unmap_and_release(data.handle)
         self._weights_mapped = False

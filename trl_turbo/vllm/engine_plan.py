@@ -331,6 +331,14 @@ def engine_state(generation: Any) -> EngineState | None:
     return getattr(generation, ENGINE_STATE_ATTRIBUTE, None)
 
 
+def generation_footprint(generation: Any) -> int | None:
+    """Device memory in use when the engine's last generation ended (None: no standby, or no generation yet): with
+    the KV cache released during training, the training phase can use up to this without raising the step's peak."""
+    state = engine_state(generation)
+    standby = state.standby if state is not None else None
+    return standby.generation_in_use_bytes if standby is not None else None
+
+
 def drain_metrics(generation: Any) -> dict[str, float]:
     """The engine metrics gathered since the last call (empty without trl_turbo's engine features)."""
     state = engine_state(generation)

@@ -1,0 +1,247 @@
+"""The automatic memory plan: its decisions on faked memory budgets, the measurement it plans from, exact gradients
+under every split of kept, device-checkpointed and offloaded layers, re-planning after a missed prediction, and the
+GRPOConfig surface (auto by default, 'min', 'off')."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trl_turbo
+from trl_turbo.offload import CheckpointOffloader
+from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, memory_planner
+from trl_turbo.offload.memory_plan import LayerPlan, counting_saved_bytes, describe_plan, plan_layers
+from trl_turbo.testing import parity
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.testing.tokenizer import VOCAB
+
+MIB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def _fresh_patch_state():
+    yield
+    trl_turbo.unpatch()
+    trl_turbo.patch()
+
+
+# ------------------------------------------------------------------------------------------------ the decision
+def test_everything_is_kept_when_it_fits():
+    plan = plan_layers(7, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=10_000 * MIB,
+                       can_offload=True)
+    assert (plan.offloaded, plan.on_device, plan.kept) == (0, 0, 7)
+    assert [plan.mode(i) for i in range(7)] == ["keep"] * 7
+
+
+def test_kept_layers_then_device_checkpoints_then_offload():
+    # 2 inputs in flight (20) + 3 kept layers (300) leave 45: four inputs on the device, the rest offloaded
+    plan = plan_layers(10, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=365 * MIB,
+                       can_offload=True)
+    assert (plan.offloaded, plan.on_device, plan.kept) == (3, 4, 3)
+    assert [plan.mode(i) for i in range(10)] == ["offload"] * 3 + ["device"] * 4 + ["keep"] * 3
+
+
+def test_without_an_offloader_the_rest_checkpoints_on_the_device():
+    # 10 checkpoints (100) always; each kept layer costs 90 more: two fit in 290
+    plan = plan_layers(10, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=290 * MIB,
+                       can_offload=False)
+    assert (plan.offloaded, plan.on_device, plan.kept) == (0, 8, 2)
+
+
+def test_nothing_fits_means_the_most_frugal_plan():
+    for can_offload, expected in ((True, (5, 0, 0)), (False, (0, 5, 0))):
+        plan = plan_layers(5, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=-MIB,
+                           can_offload=can_offload)
+        assert (plan.offloaded, plan.on_device, plan.kept) == expected
+
+
+def test_predicted_peak_counts_what_the_layers_keep():
+    plan = plan_layers(10, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=365 * MIB,
+                       can_offload=True, allocated_bytes=1000 * MIB)
+    assert plan.predicted_peak_bytes == (1000 + 300 + 40 + 20) * MIB
+    assert "layers offloaded to host" in describe_plan(plan) and "1.33 GiB" in describe_plan(plan)
+
+
+def test_saved_bytes_are_counted_once_per_storage_without_parameters():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with counting_saved_bytes({weight.untyped_storage().data_ptr()}) as counted:
+        hidden = x @ weight  # saves x and the weight (excluded)
+        (hidden * hidden).sum()  # saves `hidden` twice: one storage
+    assert counted[0] == x.nbytes + hidden.nbytes
+
+
+# ------------------------------------------------------------------------------------------- on a real model
+def _model(layers=6):
+    model = tiny_model("llama", vocab_size=len(VOCAB), layers=layers, tie_word_embeddings=False)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _ids():
+    return torch.randint(3, len(VOCAB), (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _planned(free_bytes, offload=True, layers=6):
+    model = _model(layers)
+    planner = memory_planner(model, can_offload=offload)
+    planner.budget = lambda device: (free_bytes, 0, 0)  # a faked device: free, allocated, capacity
+    runtime = CheckpointingRuntime(CheckpointOffloader(1 << 30) if offload else None, planner)
+    install_runtime(model, runtime)
+    return model, planner
+
+
+@pytest.mark.parametrize(("free_bytes", "offload", "expected"), [
+    (1 << 40, True, (0, 0, 5)),  # everything fits: no recompute anywhere
+    (0, True, (5, 0, 0)),  # nothing fits: every other layer offloaded
+    (0, False, (0, 5, 0)),  # nothing fits, no offloader: checkpointed on the device
+    ("two", True, (2, 1, 2)),  # room for two more kept layers and one input on the device
+], ids=["all-kept", "all-offloaded", "all-on-device", "mixed"])
+def test_plans_follow_the_budget_and_gradients_stay_exact(free_bytes, offload, expected):
+    reference_model = _model()
+    loss, grads = _grads(reference_model, _ids())  # transformers' checkpointing
+    if free_bytes == "two":
+        probe, probe_planner = _planned(1 << 40)
+        _grads(probe, _ids())
+        measured = probe_planner.take_step_plans()[0]
+        # margin floor, layer 0, its recompute, the head's four fp32 hidden states (this model is fp32), two inputs
+        # in flight to the host, two kept layers and one input on the device
+        head = 4 * measured.input_bytes
+        free_bytes = ((1 << 30) + 2 * measured.layer_bytes + head + 2 * measured.input_bytes
+                      + 2 * measured.layer_bytes + measured.input_bytes)
+    model, planner = _planned(free_bytes, offload)
+    model.load_state_dict(reference_model.state_dict())
+    turbo_loss, turbo_grads = _grads(model, _ids())
+    plans = planner.take_step_plans()
+    assert len(plans) == 1 and plans[0].layer_bytes > 0
+    plan = plans[0]
+    for got, want in zip((plan.offloaded, plan.on_device, plan.kept), expected):
+        assert want is None or got == want, plan
+    assert plan.layers == 5
+    assert torch.equal(turbo_loss, loss)
+    assert grads.keys() == turbo_grads.keys()
+    for name in grads:  # kept, recomputed and offloaded layers give plain checkpointing's gradients, bit for bit
+        assert torch.equal(turbo_grads[name], grads[name]), name
+
+
+def test_a_missed_prediction_widens_the_reserve_of_later_plans():
+    model, planner = _planned(1 << 40)
+    _grads(model, _ids())
+    first = planner.take_step_plans()[0]
+    assert first.kept == 5
+    message = planner.observe_peak([first], first.predicted_peak_bytes + (1 << 40))
+    assert "exceeded the prediction" in message and planner.extra_reserve_bytes == 1 << 40
+    assert planner.observe_peak([first], 0) is None  # no second warning, no re-plan without a new excess
+    assert planner.observe_peak([first], first.predicted_peak_bytes + (1 << 40)) is None  # widens again, silently
+    planner.extra_reserve_bytes = 1 << 40
+    _grads(model, _ids())
+    assert planner.take_step_plans()[0].kept == 0  # the widened reserve leaves no room to keep layers
+
+
+def test_no_plan_without_grad_or_outside_training():
+    model, planner = _planned(1 << 40)
+    with torch.no_grad():
+        model(_ids())
+    assert planner.take_step_plans() == []
+
+
+def test_planned_layers_without_a_device_keep_everything():
+    model = _model()
+    planner = memory_planner(model, can_offload=False)
+    install_runtime(model, CheckpointingRuntime(None, planner))
+    _grads(model, _ids())
+    plan = planner.take_step_plans()[0]
+    assert plan == LayerPlan(0, 0, 5, plan.layer_bytes, plan.input_bytes, -1, -1, tokens=2 * 24)
+
+
+# ------------------------------------------------------------------------------------------- GRPOConfig
+def test_memory_plan_field_is_validated_and_defaults_to_auto(tmp_path):
+    from trl import GRPOConfig
+
+    assert GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).turbo_memory_plan == "auto"
+    with pytest.raises(ValueError, match="turbo_memory_plan='fast'"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, turbo_memory_plan="fast")
+
+
+def test_off_installs_nothing_and_auto_plans_and_logs(tmp_path):
+    off = parity.build_trainer(parity.base_config_kwargs(str(tmp_path / "off"), gradient_checkpointing=True,
+                                                         turbo_memory_plan="off"), peft=True)
+    assert off._trl_turbo_checkpointing is None
+    layers = off.model.get_base_model().model.layers
+    assert not any("forward" in module.__dict__ for layer in layers for module in layer.modules())  # no lean norms
+    auto = parity.build_trainer(parity.base_config_kwargs(str(tmp_path / "auto"), gradient_checkpointing=True,
+                                                          max_steps=1), peft=True)
+    assert auto._trl_turbo_checkpointing.planner is not None
+    auto.train()
+    logged = next(log for log in auto.state.log_history if "memory_plan/kept_layers" in log)
+    layers = len(auto.model.get_base_model().model.layers)
+    assert logged["memory_plan/kept_layers"] == layers  # no CUDA device: nothing to save memory for
+    assert logged["memory_plan/layer_activation_gib"] > 0
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_auto_plan_training_matches_stock(peft):
+    overrides = {"gradient_checkpointing": True, "max_completion_length": 8}
+    stock = parity.run_training("stock", overrides, steps=2, peft=peft, model_kwargs={"tie_word_embeddings": False})
+    turbo = parity.run_training("turbo", {**overrides, "turbo_memory_plan": "auto"}, steps=2, peft=peft,
+                                model_kwargs={"tie_word_embeddings": False})
+    parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
+
+
+def test_a_forward_that_cannot_keep_every_layer_sizes_groups_that_can():
+    from trl_turbo.offload.memory_plan import HEAD_HIDDEN_STATES
+
+    model, planner = _planned(1 << 40)
+    _grads(model, _ids())
+    assert planner.group_tokens() is None  # everything was kept: no group needed
+    measured = planner.take_step_plans()[0]
+    tokens = measured.tokens
+    per_token_layers = 6 * measured.layer_bytes / tokens
+    per_token_head = HEAD_HIDDEN_STATES * (measured.input_bytes // 4) * 4 / tokens
+    # room (after the margin floor) for every layer at half the forward's tokens
+    spendable = int((per_token_layers + per_token_head) * tokens / 2)
+    planner.budget = lambda device: ((1 << 30) + spendable, 0, 0)
+    _grads(model, _ids())
+    assert planner.take_step_plans()[0].kept < 5
+    assert abs(planner.group_tokens() - tokens // 2) <= 1
+    planner.budget = lambda device: (1 << 40, 0, 0)
+    _grads(model, _ids())  # a forward that keeps everything leaves the group size alone
+    assert abs(planner.group_tokens() - tokens // 2) <= 1
+
+
+def test_sequence_groups_follow_the_planned_group_size():
+    from types import SimpleNamespace
+
+    from trl_turbo.grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS, planned_group_tokens
+
+    planner = SimpleNamespace(group_tokens=lambda: 5000)
+    trainer = SimpleNamespace(_trl_turbo_checkpointing=SimpleNamespace(planner=planner))
+    assert planned_group_tokens(trainer, length=2100) == 5000
+    assert planned_group_tokens(trainer, length=6000) is None  # not even one sequence would keep every layer
+    planner.group_tokens = lambda: MIN_PLANNED_GROUP_TOKENS - 1
+    assert planned_group_tokens(trainer, length=100) is None  # too small to be faster than recompute
+    assert planned_group_tokens(SimpleNamespace(_trl_turbo_checkpointing=None), length=100) is None
+
+
+def test_the_first_layer_is_checkpointed_when_its_measured_cost_cannot_fit():
+    reference_model = _model()
+    loss, grads = _grads(reference_model, _ids())
+    model, planner = _planned(1 << 40)
+    model.load_state_dict(reference_model.state_dict())
+    _grads(model, _ids())  # measures bytes per token
+    assert planner.take_step_plans()[0].first_kept
+    planner.budget = lambda device: (0, 0, 0)
+    turbo_loss, turbo_grads = _grads(model, _ids())
+    plan = planner.take_step_plans()[0]
+    assert not plan.first_kept and plan.kept_layers == 0 and plan.offloaded == 5  # from the earlier measurement
+    assert torch.equal(turbo_loss, loss)
+    for name in grads:
+        assert torch.equal(turbo_grads[name], grads[name]), name

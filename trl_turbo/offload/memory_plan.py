@@ -1,0 +1,310 @@
+"""The automatic memory plan (`turbo_memory_plan="auto"`): per training forward, which decoder layers keep their
+activations (no recompute), which checkpoint their input on the device, and which offload it to host memory.
+
+Design decisions:
+- **Measured, not modelled.** At each training forward, the first decoder layer runs with its activations kept while
+  a saved-tensor hook adds up the bytes autograd saves for it (parameters excluded). That is one layer's activation
+  cost at this micro-batch's exact shape, for any family, attention kernel or adapter. The dense families' layers are
+  alike, so layer 0 speaks for the others. Nothing is extrapolated from other shapes, and every new shape (GRPO pads
+  each micro-batch to its own longest completion, sequence groups split it) is planned from its own measurement.
+- **From the memory free at that moment.** The device's free memory plus torch's cached-but-unused blocks, less a
+  reserve for what follows the layers (one layer's recompute, the loss head and gradients of hidden states) and a
+  margin, within torch's per-process memory fraction. With a colocated vLLM engine in standby, its KV cache is
+  released while training runs, and training may grow back to the device memory the last generation used, never
+  beyond: the plan turns the step's idle memory into speed without raising its peak.
+- **Smaller forwards rather than recompute.** When a forward cannot keep every layer, the planner derives from the
+  same measurement the group size at which all layers would keep their activations; later micro-batches are split
+  into sequence groups of that size (`grpo.sequence_groups`; at least one sequence and 2048 tokens), which costs
+  some GEMM efficiency instead of a third of the layers' compute.
+- **Fastest plan that fits.** Keeping a layer saves its recompute (about a third of its training compute); offloading
+  costs host traffic the copies mostly hide. So: as many layers kept as fit while the rest are offloaded (or, without
+  an offloader, checkpointed on the device); then as many of the rest on the device as fit; the rest offloaded. Kept
+  layers are the last ones, whose activations the backward pass frees first; offloaded ones the first.
+- **A miss re-plans.** After each micro-step the measured peak is compared with the plan's prediction. An excess is
+  added to the reserve of every later plan (a warning names it once), so the run trades speed for memory instead of
+  running out of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_GIB = 2**30
+# What stays free whatever the plan: a share of the device plus a fixed floor (allocator fragmentation, cuBLAS/NCCL
+# workspaces, the optimizer's first-step states).
+MARGIN_FRACTION = 0.03
+MARGIN_FLOOR_BYTES = 1 * _GIB
+# fp32 hidden-state-sized tensors alive after the layers: the final norm's input and output, the fused loss's gradient
+# of the hidden states, and the layers' output gradient in flight.
+HEAD_HIDDEN_STATES = 4
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How the checkpointed decoder layers of one forward run, in layer order: the first `offloaded` layers offload
+    their input, the next `on_device` checkpoint it on the device, the last `kept` keep their activations."""
+
+    offloaded: int
+    on_device: int
+    kept: int
+    layer_bytes: int  # measured activation bytes of one kept layer at this shape
+    input_bytes: int  # one layer input (what a checkpoint saves)
+    available_bytes: int  # what the plan could spend on the layers
+    predicted_peak_bytes: int  # device memory in use at the backward pass's start, as planned
+    tokens: int = 0  # tokens of the forward (rows x positions)
+    spendable_bytes: int = -1  # what the whole forward could spend (free less the margin); -1: unlimited
+    first_kept: bool = True  # the first layer kept its activations (and measured them)
+
+    @property
+    def kept_layers(self) -> int:
+        """Layers that kept their activations, the first one included."""
+        return self.kept + self.first_kept
+
+    @property
+    def layers(self) -> int:
+        return self.offloaded + self.on_device + self.kept
+
+    def mode(self, index: int) -> str:
+        """"offload", "device" or "keep" for the layer at `index`."""
+        if index < self.offloaded:
+            return "offload"
+        return "device" if index < self.offloaded + self.on_device else "keep"
+
+
+def plan_layers(layers: int, layer_bytes: int, input_bytes: int, available_bytes: int, can_offload: bool,
+                allocated_bytes: int = 0) -> LayerPlan:
+    """The fastest split of `layers` checkpointed layers whose activations fit in `available_bytes` (see the module
+    docstring); the predicted peak is `allocated_bytes` (in use before these layers) plus what they keep. When
+    nothing fits, everything is offloaded (or checkpointed on the device): the most frugal plan."""
+    # What a checkpointed layer leaves on the device: its input, or (offloaded) at most two inputs in flight overall
+    parked = 2 * input_bytes if can_offload else 0
+    per_checkpoint = 0 if can_offload else input_bytes
+    kept = 0
+    gain = layer_bytes - per_checkpoint
+    if gain <= 0:
+        kept = layers
+    else:
+        spare = available_bytes - parked - layers * per_checkpoint
+        kept = max(0, min(layers, spare // gain))
+    rest = layers - kept
+    on_device = rest
+    if can_offload:
+        spare = available_bytes - parked - kept * layer_bytes
+        on_device = max(0, min(rest, spare // input_bytes)) if input_bytes > 0 else rest
+    offloaded = rest - on_device
+    used = kept * layer_bytes + on_device * input_bytes + (parked if offloaded else 0)
+    return LayerPlan(offloaded=offloaded, on_device=on_device, kept=kept, layer_bytes=layer_bytes,
+                     input_bytes=input_bytes, available_bytes=available_bytes,
+                     predicted_peak_bytes=allocated_bytes + used)
+
+
+def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tuple[int, int, int]:
+    """(free bytes the plan may count on, bytes torch has allocated, device capacity) of a CUDA device: the driver's
+    free memory plus torch's cached blocks that hold nothing, within torch's per-process memory fraction and, if
+    given, a ceiling on the device memory in use (`ceiling_bytes`: what the generation phase used)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cached_unused = reserved - allocated
+    growth = free
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:  # torch refuses to reserve beyond it (a capped run)
+        growth = min(growth, max(0, int(fraction * total) - reserved))
+    if ceiling_bytes is not None:
+        growth = min(growth, max(0, ceiling_bytes - (total - free)))
+    return growth + cached_unused, allocated, total
+
+
+@contextlib.contextmanager
+def counting_saved_bytes(excluded_storages: set[int]) -> Iterator[list[int]]:
+    """Within the block, add up the bytes of the distinct storages autograd saves (those in `excluded_storages`,
+    the parameters, not counted); the total is in the yielded list's only element when the block ends."""
+    sizes: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in excluded_storages:
+            sizes[pointer] = max(sizes.get(pointer, 0), storage.nbytes())
+        return tensor
+
+    total = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+    total[0] = sum(sizes.values())
+
+
+@dataclass
+class MemoryPlanner:
+    """One model's planner. `parameters` returns the model's parameters (their storages are not activations; read at
+    each plan, since DeepSpeed and FSDP move them when training starts). `budget` returns (free bytes, allocated
+    bytes, capacity) for a device; the default reads the CUDA device (tests pass a fake). `ceiling` returns the
+    device memory in use the training phase should stay under (with a colocated engine in standby: what its
+    generation phase used, so planning never raises the step's peak), or None. Without a CUDA device and no fake,
+    every layer is kept."""
+
+    layer_count: int
+    parameters: Callable[[], Iterator[torch.Tensor]]
+    can_offload: bool
+    budget: Callable[[torch.device], tuple[int, int, int]] | None = None
+    ceiling: Callable[[], int | None] | None = None
+    extra_reserve_bytes: int = 0
+    group_budget: int | None = None
+    bytes_per_token: float | None = None  # of one kept layer, as last measured
+    current: LayerPlan | None = None
+    step_plans: list[LayerPlan] = field(default_factory=list)
+    warned: bool = False
+
+    def _budget(self, device: torch.device) -> tuple[int, int, int] | None:
+        if self.budget is not None:
+            return self.budget(device)
+        if device.type != "cuda":
+            return None
+        return device_budget(device, self.ceiling() if self.ceiling is not None else None)
+
+    def run_first_layer(self, function: Callable, args: tuple[Any, ...], frugal: Callable[..., Any]) -> Any:
+        """Run the first layer, plan the other layers of this forward. The first layer keeps its activations while
+        their bytes are counted, unless an earlier measurement (bytes per token) says they would not fit: then it
+        runs under `frugal` (its checkpoint function) and the plan uses that estimate."""
+        hidden = args[0]
+        budget = self._budget(hidden.device)
+        tokens = hidden.numel() // hidden.shape[-1]
+        input_bytes = hidden.numel() * hidden.element_size()
+        head_bytes = HEAD_HIDDEN_STATES * hidden.numel() * 4
+        margin = 0
+        if budget is not None:
+            free, allocated, total = budget
+            margin = max(int(MARGIN_FRACTION * total), MARGIN_FLOOR_BYTES) + self.extra_reserve_bytes
+        estimate = int(self.bytes_per_token * tokens) if self.bytes_per_token else None
+        # kept, it costs its activations now and a recompute-sized working set stays reserved for the backward pass
+        first_kept = budget is None or estimate is None or free - margin - head_bytes - 2 * estimate >= 0
+        if first_kept:
+            storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
+            with counting_saved_bytes(storages) as counted, kept_layer():
+                output = function(*args)
+            layer_bytes = counted[0]
+            self.bytes_per_token = layer_bytes / tokens
+        else:
+            output = frugal(function, *args)
+            layer_bytes = estimate
+        others = self.layer_count - 1
+        if budget is None:
+            plan = LayerPlan(0, 0, others, layer_bytes, input_bytes, -1, -1, tokens)
+        else:
+            first_bytes = layer_bytes if first_kept else (0 if self.can_offload else input_bytes)
+            working = layer_bytes + head_bytes  # after the layers: one layer's recompute, the head's hidden states
+            # `free` and `allocated` were read before the first layer ran: what it keeps is spent from `free`
+            available = free - first_bytes - working - margin
+            plan = dataclasses.replace(
+                plan_layers(others, layer_bytes, input_bytes, available, self.can_offload,
+                            allocated_bytes=allocated + first_bytes + working),
+                tokens=tokens, spendable_bytes=free - margin, first_kept=first_kept)
+            self._update_group_budget(plan, head_bytes)
+        self.current = plan
+        self.step_plans.append(plan)
+        return output
+
+    def group_tokens(self) -> int | None:
+        """The most tokens one forward can have with every layer keeping its activations (None: no forward has
+        needed fewer yet). Sequence groups of this size train without recompute."""
+        return self.group_budget
+
+    def _update_group_budget(self, plan: LayerPlan, head_bytes: int) -> None:
+        # From a forward that could not keep every layer: its measured bytes per token (all layers kept, plus the
+        # head) against what it could spend. Kept until such a forward happens again, so groups sized by it (which
+        # keep every layer) do not undo it.
+        if plan.kept == plan.layers or plan.tokens == 0 or plan.spendable_bytes < 0:
+            return
+        per_token = (self.layer_count * plan.layer_bytes + head_bytes) / plan.tokens
+        self.group_budget = max(0, int(plan.spendable_bytes / per_token))
+
+    def mode(self, index: int) -> str:
+        """How the layer at `index` (0 is the measured one) runs in the current forward."""
+        if self.current is None:
+            return "keep" if index == 0 else "offload" if self.can_offload else "device"
+        if index == 0:
+            return "keep" if self.current.first_kept else "offload" if self.can_offload else "device"
+        return self.current.mode(index - 1)
+
+    def observe_peak(self, plans: list[LayerPlan], peak_bytes: int) -> str | None:
+        """After a micro-step: compare the measured device peak with the largest prediction of its `plans`; on a
+        miss, widen the reserve of later plans by the excess. Returns a message the first time (None otherwise)."""
+        predicted = max((p.predicted_peak_bytes for p in plans if p.predicted_peak_bytes >= 0), default=-1)
+        if predicted < 0 or not any(p.kept_layers for p in plans):
+            return None
+        excess = peak_bytes - predicted
+        if excess <= 0:
+            return None
+        self.extra_reserve_bytes += excess
+        if self.warned:
+            return None
+        self.warned = True
+        return (f"trl_turbo memory plan: the training peak ({peak_bytes / _GIB:.2f} GiB) exceeded the prediction "
+                f"({predicted / _GIB:.2f} GiB); later micro-batches are planned with {excess / _GIB:.2f} GiB more "
+                "reserve (fewer layers keep their activations).")
+
+    def take_step_plans(self) -> list[LayerPlan]:
+        """The plans of the forwards since the last call (the micro-step's)."""
+        plans, self.step_plans = self.step_plans, []
+        return plans
+
+
+def describe_plan(plan: LayerPlan) -> str:
+    """The plan as a small table (printed once per run)."""
+    rows = [("layers keeping activations", f"{plan.kept_layers}"),
+            ("layers checkpointed on the device", f"{plan.on_device}"),
+            ("layers offloaded to host", f"{plan.offloaded}"),
+            ("activations of one kept layer", f"{plan.layer_bytes / _GIB:.3f} GiB"),
+            ("one layer input", f"{plan.input_bytes / _GIB:.3f} GiB")]
+    if plan.available_bytes >= 0:
+        rows += [("memory the layers could use", f"{max(plan.available_bytes, 0) / _GIB:.2f} GiB"),
+                 ("predicted training peak", f"{plan.predicted_peak_bytes / _GIB:.2f} GiB")]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["trl_turbo memory plan (turbo_memory_plan='auto'), first training micro-batch:"]
+                     + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+_keeping: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_turbo_kept_layer", default=False)
+
+
+@contextlib.contextmanager
+def kept_layer() -> Iterator[None]:
+    """Inside: a decoder layer runs with its activations kept, so its MLP runs untiled (tiling would recompute)."""
+    token = _keeping.set(True)
+    try:
+        yield
+    finally:
+        _keeping.reset(token)
+
+
+def in_kept_layer() -> bool:
+    """True while a decoder layer runs with its activations kept (see `kept_layer`)."""
+    return _keeping.get()
+
+
+def planned_checkpoint(planner: MemoryPlanner, index: int, offloaded: Callable[..., Any],
+                       on_device: Callable[..., Any]) -> Callable[..., Any]:
+    """The `_gradient_checkpointing_func` of the decoder layer at `index` under `planner`: layer 0 measures and plans
+    each training forward; every layer then runs as the plan says (`offloaded`/`on_device`: its checkpoint
+    functions)."""
+
+    def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or not args or not torch.is_tensor(args[0]):
+            return function(*args)
+        if index == 0:
+            return planner.run_first_layer(function, args, offloaded if planner.can_offload else on_device)
+        mode = planner.mode(index)
+        if mode == "keep":
+            with kept_layer():
+                return function(*args)
+        return (offloaded if mode == "offload" else on_device)(function, *args, **kwargs)
+
+    checkpoint.__trl_turbo_offloader__ = getattr(offloaded, "__trl_turbo_offloader__", None)
+    return checkpoint

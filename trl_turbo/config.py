@@ -113,7 +113,7 @@ class TurboFields:
             "layers as fit keep their activations (no recompute), then checkpoint their input on the device, the "
             "rest offload it to host memory (turbo_offload_checkpoints). When a forward cannot keep every layer, "
             "later micro-batches are split into sequence groups small enough to (within "
-            "turbo_forward_token_budget, at least one sequence and 2048 tokens). A peak above the prediction "
+            "turbo_forward_token_budget, at least one sequence and 8192 tokens). A peak above the prediction "
             "re-plans later micro-batches with more reserve. The plan is printed once and logged as memory_plan/* "
             "metrics. 'min': the most frugal plan (every layer "
             "checkpointed and, on a CUDA device, offloaded). 'off': stock behaviour (transformers' checkpointing, no "

@@ -14,7 +14,7 @@ Design decisions:
   beyond: the plan turns the step's idle memory into speed without raising its peak.
 - **Smaller forwards rather than recompute.** When a forward cannot keep every layer, the planner derives from the
   same measurement the group size at which all layers would keep their activations; later micro-batches are split
-  into sequence groups of that size (`grpo.sequence_groups`; at least one sequence and 2048 tokens), which costs
+  into sequence groups of that size (`grpo.sequence_groups`; at least one sequence and 8192 tokens), which costs
   some GEMM efficiency instead of a third of the layers' compute.
 - **Fastest plan that fits.** Keeping a layer saves its recompute (about a third of its training compute); offloading
   costs host traffic the copies mostly hide. So: as many layers kept as fit while the rest are offloaded (or, without

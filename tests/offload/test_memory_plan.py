@@ -222,10 +222,10 @@ def test_sequence_groups_follow_the_planned_group_size():
 
     from trl_turbo.grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS, planned_group_tokens
 
-    planner = SimpleNamespace(group_tokens=lambda: 5000)
+    planner = SimpleNamespace(group_tokens=lambda: 9000)
     trainer = SimpleNamespace(_trl_turbo_checkpointing=SimpleNamespace(planner=planner))
-    assert planned_group_tokens(trainer, length=2100) == 5000
-    assert planned_group_tokens(trainer, length=6000) is None  # not even one sequence would keep every layer
+    assert planned_group_tokens(trainer, length=2100) == 9000
+    assert planned_group_tokens(trainer, length=9500) is None  # not even one sequence would keep every layer
     planner.group_tokens = lambda: MIN_PLANNED_GROUP_TOKENS - 1
     assert planned_group_tokens(trainer, length=100) is None  # too small to be faster than recompute
     assert planned_group_tokens(SimpleNamespace(_trl_turbo_checkpointing=None), length=100) is None

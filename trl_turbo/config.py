@@ -271,8 +271,8 @@ MEMORY_PLANS = ("auto", "min", "off")
 
 
 def memory_plan(args: Any) -> str:
-    """The run's `turbo_memory_plan` ('off' for a config without trl_turbo's fields)."""
-    return getattr(args, "turbo_memory_plan", "off")
+    """The run's `turbo_memory_plan` (the field's default for an object without it)."""
+    return getattr(args, "turbo_memory_plan", "auto")
 
 
 def validate(args: Any) -> None:

@@ -245,3 +245,14 @@ def test_the_first_layer_is_checkpointed_when_its_measured_cost_cannot_fit():
     assert torch.equal(turbo_loss, loss)
     for name in grads:
         assert torch.equal(turbo_grads[name], grads[name]), name
+
+
+def test_a_first_forward_too_large_for_the_prior_runs_the_most_frugal_plan():
+    from trl_turbo.offload.memory_plan import PRIOR_LAYER_BYTES_PER_INPUT_BYTE
+
+    model, planner = _planned(0)
+    _grads(model, _ids())
+    plan = planner.take_step_plans()[0]
+    assert not plan.first_kept and plan.kept_layers == 0 and plan.offloaded == 5
+    assert plan.layer_bytes == PRIOR_LAYER_BYTES_PER_INPUT_BYTE * plan.input_bytes
+    assert planner.bytes_per_token is None  # nothing measured: the next forward decides from the prior again

@@ -41,6 +41,10 @@ _GIB = 2**30
 # workspaces, the optimizer's first-step states).
 MARGIN_FRACTION = 0.03
 MARGIN_FLOOR_BYTES = 1 * _GIB
+# Before any measurement, a layer's saved activations are assumed to be this many times its input (Llama-3.1-8B
+# measures 21x: q/k/v, attention output, norms and the MLP's four intermediate-sized tensors). A first forward too
+# large for that runs the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).
+PRIOR_LAYER_BYTES_PER_INPUT_BYTE = 24
 # fp32 hidden-state-sized tensors alive after the layers: the final norm's input and output, the fused loss's gradient
 # of the hidden states, and the layers' output gradient in flight.
 HEAD_HIDDEN_STATES = 4
@@ -182,16 +186,18 @@ class MemoryPlanner:
         if budget is not None:
             free, allocated, total = budget
             margin = max(int(MARGIN_FRACTION * total), MARGIN_FLOOR_BYTES) + self.extra_reserve_bytes
-        estimate = int(self.bytes_per_token * tokens) if self.bytes_per_token else None
+        measured_before = self.bytes_per_token is not None
+        estimate = (int(self.bytes_per_token * tokens) if measured_before
+                    else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
         # kept, it costs its activations now and a recompute-sized working set stays reserved for the backward pass
-        first_kept = budget is None or estimate is None or free - margin - head_bytes - 2 * estimate >= 0
+        first_kept = budget is None or free - margin - head_bytes - 2 * estimate >= 0
         if first_kept:
             storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
             with counting_saved_bytes(storages) as counted, kept_layer():
                 output = function(*args)
             layer_bytes = counted[0]
             self.bytes_per_token = layer_bytes / tokens
-        else:
+        else:  # an estimate only: from an earlier measurement, else the prior (then nothing else is kept either)
             output = frugal(function, *args)
             layer_bytes = estimate
         others = self.layer_count - 1

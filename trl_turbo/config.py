@@ -112,7 +112,7 @@ class TurboFields:
             "turbo_vllm_standby: at most what the last generation used, so the step's peak does not rise): as many "
             "layers as fit keep their activations (no recompute), then checkpoint their input on the device, the "
             "rest offload it to host memory (turbo_offload_checkpoints). When a forward cannot keep every layer, "
-            "later micro-batches are split into sequence groups small enough to (within "
+            "later micro-batches are split into sequence groups small enough to keep them all (within "
             "turbo_forward_token_budget, at least one sequence and 8192 tokens). A peak above the prediction "
             "re-plans later micro-batches with more reserve. The plan is printed once and logged as memory_plan/* "
             "metrics. 'min': the most frugal plan (every layer "

@@ -80,10 +80,10 @@ def test_dequantized_state_is_the_training_weights_under_hf_names(tmp_path, quan
     bnb_kwargs, bound = COPIED[quantization]
     model = quantized_peft_model(tmp_path, dtype=torch.bfloat16, **bnb_kwargs)
     base = model.get_base_model()
-    hf_state = dict(vllm_engine._hf_state_for_vllm(base))
+    hf_state = dict(vllm_engine.hf_state_for_vllm(base))
     layers = dequantized.quantized_layers(base)
     assert len(layers) == 2 * 7  # every projection of both layers; the embedding and LM head stay 16-bit
-    state = dequantized.dequantized_state(base, vllm_engine._hf_state_for_vllm(base), torch.bfloat16)
+    state = dequantized.dequantized_state(base, vllm_engine.hf_state_for_vllm(base), torch.bfloat16)
     assert inspect.isgenerator(state)
     state = dict(state)
     statistics = {n for n in hf_state if n.startswith(tuple(f"{w.removesuffix('.weight')}." for w in layers))
@@ -131,7 +131,7 @@ def test_dequantized_state_holds_one_matrix_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(dequantized, "dequantized_weight",
                         lambda layer, dtype: made.append(layer) or original(layer, dtype))
     seen = 0
-    for name, _ in dequantized.dequantized_state(base, vllm_engine._hf_state_for_vllm(base), torch.bfloat16):
+    for name, _ in dequantized.dequantized_state(base, vllm_engine.hf_state_for_vllm(base), torch.bfloat16):
         seen += name in layers
         assert len(made) == seen  # each matrix is made when it is reached, not before
     assert seen == len(layers)

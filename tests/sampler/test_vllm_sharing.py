@@ -91,7 +91,7 @@ def test_sharing_makes_frozen_weights_views_and_leaves_training_unchanged(monkey
     shared = vllm_engine.share_base_weights(object(), model)
 
     storages = {p.untyped_storage().data_ptr() for _, p in stand_in.named_parameters()}
-    frozen = vllm_engine._frozen_matrix_weights(model.get_base_model())
+    frozen = vllm_engine.frozen_matrix_weights(model.get_base_model())
     assert frozen and all(w.untyped_storage().data_ptr() in storages for w in frozen.values())
     assert shared == sum(w.numel() * w.element_size() for w in frozen.values())
     assert all(p.untyped_storage().data_ptr() not in storages for n, p in model.named_parameters() if "lora_" in n)
@@ -108,7 +108,7 @@ def test_parked_weights_are_shared_from_the_host(monkeypatch):
     ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0))
     loss_before, _ = _loss_and_lora_grads(model, ids)
     parked = vllm_engine.ParkedWeights(model)
-    assert parked.weights.keys() == vllm_engine._frozen_matrix_weights(model.get_base_model()).keys()
+    assert parked.weights.keys() == vllm_engine.frozen_matrix_weights(model.get_base_model()).keys()
     assert all(w.device.type == "cpu" for w in parked.weights.values())
     stand_in = StandInVllmModel(model.get_base_model())
     monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)

@@ -21,14 +21,14 @@ from helpers import needs_bnb, quantized_peft_model
 @needs_bnb
 @pytest.mark.parametrize("double_quant", [True, False], ids=["nf4-double", "nf4"])
 def test_loader_is_fed_packed_bytes_and_new_states_under_hf_names(tmp_path, double_quant):
-    from trl_turbo.vllm.engine import _base, _hf_state_for_vllm
+    from trl_turbo.vllm.engine import peft_base, hf_state_for_vllm
 
     model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_use_double_quant=double_quant)
-    base = _base(model)
+    base = peft_base(model)
     packed = quantized.four_bit_weights(base)
     assert len(packed) == 2 * 7  # every projection of both layers; the embedding and LM head stay 16-bit
-    tensors, states = quantized.weights_for_vllm(base, _hf_state_for_vllm(base))
+    tensors, states = quantized.weights_for_vllm(base, hf_state_for_vllm(base))
     tensors = dict(tensors)
     assert set(states) == set(packed)
     assert not [n for n in tensors if "lora_" in n or "base_layer" in n or n.count(".weight") != 1

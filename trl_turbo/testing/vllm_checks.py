@@ -41,27 +41,27 @@ def vllm_storage_spans(llm: Any) -> list[tuple[int, int]]:
 
 
 def _frozen(trainer: Any) -> dict[str, torch.Tensor]:
-    from trl_turbo.vllm.engine import _frozen_matrix_weights
+    from trl_turbo.vllm.engine import frozen_matrix_weights
 
-    return _frozen_matrix_weights(trainer.model.get_base_model())
+    return frozen_matrix_weights(trainer.model.get_base_model())
 
 
 def copy_mismatches(llm: Any, model: torch.nn.Module) -> list[str]:
     """The frozen HF matrices whose dequantized values are not their rows of vLLM's weights (a separate copy), or
     that vLLM lacks."""
     from trl_turbo.vllm.engine import (
-        _base,
-        _frozen_matrix_weights,
-        _hf_state_for_vllm,
+        peft_base,
+        frozen_matrix_weights,
+        hf_state_for_vllm,
         driver_model,
         engine_dtype,
     )
     from trl_turbo.vllm.dequantized import dequantized_state
     from trl_turbo.vllm.weight_views import plan_shared_views, view_of, vllm_weight_name
 
-    base = _base(model)
-    frozen = _frozen_matrix_weights(base)
-    expected = {name: tensor for name, tensor in dequantized_state(base, _hf_state_for_vllm(base), engine_dtype(llm))
+    base = peft_base(model)
+    frozen = frozen_matrix_weights(base)
+    expected = {name: tensor for name, tensor in dequantized_state(base, hf_state_for_vllm(base), engine_dtype(llm))
                 if name in frozen}
     vllm_model = driver_model(llm)
     params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}

@@ -248,7 +248,7 @@ def fp8_tensors(llm: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------- shared weights
-def _frozen_matrix_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+def frozen_matrix_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The frozen Linear/Embedding weights of an HF model (PEFT-wrapped or not), by plain HF name, each once."""
     from .weight_views import hf_weight_name
 
@@ -265,7 +265,7 @@ def _frozen_matrix_weights(model: torch.nn.Module) -> dict[str, torch.nn.Paramet
     return weights
 
 
-def _hf_state_for_vllm(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+def hf_state_for_vllm(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """The base model's tensors under HF checkpoint names, as TRL's weight sync names them (adapter tensors left
     out)."""
     from .weight_views import hf_weight_name
@@ -286,12 +286,13 @@ def copy_base_weights(llm: Any, peft_model: Any) -> int:
     the training model keeps its weights. Returns the bytes of vLLM's copy."""
     from .dequantized import copy_bytes, dequantized_state
 
-    base = _base(peft_model)
-    load_weights(llm, dequantized_state(base, _hf_state_for_vllm(base), engine_dtype(llm)))
+    base = peft_base(peft_model)
+    load_weights(llm, dequantized_state(base, hf_state_for_vllm(base), engine_dtype(llm)))
     return copy_bytes(base)
 
 
-def _base(model: Any) -> torch.nn.Module:
+def peft_base(model: Any) -> torch.nn.Module:
+    """The model under a PEFT wrapper (the model itself when it has none)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -303,7 +304,7 @@ def plan_views(llm: Any, base: torch.nn.Module, fp8: Mapping[str, Any] | None = 
     from .weight_views import plan_shared_views, vllm_weight_name
 
     vllm_model = driver_model(llm)
-    frozen = _frozen_matrix_weights(base)
+    frozen = frozen_matrix_weights(base)
     vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
     shapes = {name: tuple(p.shape) for name, p in vllm_params.items()}
     for name, tensor in (fp8 or {}).items():
@@ -320,7 +321,7 @@ class ParkedWeights:
     were not (an error on the way), so the model is never left half on the host."""
 
     def __init__(self, model: Any) -> None:
-        self.weights = _frozen_matrix_weights(_base(model))
+        self.weights = frozen_matrix_weights(peft_base(model))
         self.home = {name: weight.device for name, weight in self.weights.items()}
         for weight in self.weights.values():
             weight.data = weight.data.to("cpu")
@@ -346,14 +347,14 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     from .quantized import four_bit_weights
     from .weight_views import LayoutMismatch, view_of
 
-    base = _base(peft_model)
+    base = peft_base(peft_model)
     frozen, vllm_params, views = plan_views(llm, base, fp8)
     kept = {view.hf_name for view in views if fp8 and view.vllm_name in fp8}
     views = [view for view in views if view.hf_name not in kept]
     packed = {} if fp8 else four_bit_weights(base)
     if not packed:  # 4-bit weights went in while the engine was built (`feeding_4bit_weights`)
         # (a kept 4-bit weight's quantization statistics, `<module>.weight.absmax` etc., stay out with it)
-        load_weights(llm, ((name, t) for name, t in _hf_state_for_vllm(base)
+        load_weights(llm, ((name, t) for name, t in hf_state_for_vllm(base)
                            if name.partition(".weight")[0] + ".weight" not in kept))
     home = parked.home if parked is not None else {name: weight.device for name, weight in frozen.items()}
     targets = []
@@ -391,10 +392,10 @@ def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:
 
     from .quantized import weights_for_vllm
 
-    base = _base(peft_model)
+    base = peft_base(peft_model)
 
     def training_weights(loader: Any, model_name_or_path: str, revision: Any) -> tuple[Any, dict[str, Any]]:
-        tensors, states = weights_for_vllm(base, _hf_state_for_vllm(base))
+        tensors, states = weights_for_vllm(base, hf_state_for_vllm(base))
         # vLLM's own iterators key states by the mapped name, and the tensors by the checkpoint name
         return tensors, {loader.weight_mapper(name): state for name, state in states.items()}
 

@@ -4,6 +4,8 @@ GRPOConfig surface (auto by default, 'min', 'off')."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,7 +61,9 @@ def test_predicted_peak_counts_what_the_layers_keep():
     plan = plan_layers(10, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=365 * MIB,
                        can_offload=True, allocated_bytes=1000 * MIB)
     assert plan.predicted_peak_bytes == (1000 + 300 + 40 + 20) * MIB
-    assert "layers offloaded to host" in describe_plan(plan) and "1.33 GiB" in describe_plan(plan)
+    table = describe_plan(dataclasses.replace(plan, spendable_bytes=0))
+    assert "layers offloaded to host" in table and "predicted training peak            1.33 GiB" in table
+    assert "predicted" not in describe_plan(plan)  # planned without a device budget: no budget rows
 
 
 def test_saved_bytes_are_counted_once_per_storage_without_parameters():

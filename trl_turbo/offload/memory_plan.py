@@ -269,7 +269,7 @@ def describe_plan(plan: LayerPlan) -> str:
             ("layers offloaded to host", f"{plan.offloaded}"),
             ("activations of one kept layer", f"{plan.layer_bytes / _GIB:.3f} GiB"),
             ("one layer input", f"{plan.input_bytes / _GIB:.3f} GiB")]
-    if plan.available_bytes >= 0:
+    if plan.spendable_bytes >= 0:  # planned against a device budget
         rows += [("memory the layers could use", f"{max(plan.available_bytes, 0) / _GIB:.2f} GiB"),
                  ("predicted training peak", f"{plan.predicted_peak_bytes / _GIB:.2f} GiB")]
     width = max(len(name) for name, _ in rows)

@@ -262,6 +262,18 @@ class MemoryPlanner:
         return plans
 
 
+def plan_metrics(plans: list[LayerPlan]) -> dict[str, float]:
+    """One micro-step's plans (one per forward) as metrics: mean layer counts, largest measurement and prediction."""
+    count = max(len(plans), 1)
+    return {
+        "memory_plan/kept_layers": sum(p.kept_layers for p in plans) / count,
+        "memory_plan/device_layers": sum(p.on_device for p in plans) / count,
+        "memory_plan/offloaded_layers": sum(p.offloaded for p in plans) / count,
+        "memory_plan/layer_activation_gib": max((p.layer_bytes for p in plans), default=0) / _GIB,
+        "memory_plan/predicted_peak_gib": max((p.predicted_peak_bytes for p in plans), default=0) / _GIB,
+    }
+
+
 def describe_plan(plan: LayerPlan) -> str:
     """The plan as a small table (printed once per run)."""
     rows = [("layers keeping activations", f"{plan.kept_layers}"),

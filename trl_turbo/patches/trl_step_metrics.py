@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..grpo.rollout_check import RolloutCheck, RolloutMismatch
-from ..offload.memory_plan import MemoryPlanner, describe_plan
+from ..offload.memory_plan import MemoryPlanner, describe_plan, plan_metrics
 from .. import registry
 
 _GAP = "sampling/sampling_logp_difference/mean"
@@ -73,25 +73,17 @@ def step_values(trainer: Any) -> dict[str, float]:
 
 
 def memory_plan_values(trainer: Any, planner: MemoryPlanner, peak_bytes: int | None) -> dict[str, float]:
-    """The micro-step's memory plan as metrics (its forwards' mean layer counts, their largest prediction); a peak
-    above the prediction re-plans later micro-batches (and warns once). The first plan is printed once."""
+    """The micro-step's memory plan as metrics; a peak above its prediction re-plans later micro-batches (and warns
+    once). The first plan is printed once."""
     plans = planner.take_step_plans()
     if plans and not trainer.__dict__.get("_trl_turbo_plan_printed"):
         trainer._trl_turbo_plan_printed = True
         if trainer.accelerator.is_main_process:
             print(describe_plan(plans[0]), flush=True)
-    if peak_bytes is not None:
-        message = planner.observe_peak(plans, peak_bytes)
-        if message is not None:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-    count = max(len(plans), 1)
-    return {
-        "memory_plan/kept_layers": sum(p.kept_layers for p in plans) / count,
-        "memory_plan/device_layers": sum(p.on_device for p in plans) / count,
-        "memory_plan/offloaded_layers": sum(p.offloaded for p in plans) / count,
-        "memory_plan/layer_activation_gib": max((p.layer_bytes for p in plans), default=0) / _GIB,
-        "memory_plan/predicted_peak_gib": max((p.predicted_peak_bytes for p in plans), default=0) / _GIB,
-    }
+    message = planner.observe_peak(plans, peak_bytes) if peak_bytes is not None else None
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return plan_metrics(plans)
 
 
 def _wrap_training_step(original):

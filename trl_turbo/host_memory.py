@@ -1,8 +1,15 @@
-"""The host memory available now: one reading shared by checkpoint offload's budget and merged sampling's host copy."""
+"""The host memory available now: one reading shared by checkpoint offload's budget and merged sampling's host copy,
+and offload's default budget per training process."""
 
 from __future__ import annotations
 
 import os
+
+from .distributed import local_process_count
+
+_GIB = 2**30
+# Share of the host's available memory checkpoint offload may pin by default, over all training processes of the host
+OFFLOAD_HOST_FRACTION = 0.8
 
 
 def available_host_bytes() -> int:
@@ -15,3 +22,12 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def offload_budget_bytes(budget_gib: float | None) -> int:
+    """Pinned host memory one training process's checkpoint offload may hold: `turbo_offload_host_budget_gib` when
+    set, else its share (one of `local_process_count()`) of `OFFLOAD_HOST_FRACTION` of the host's available memory,
+    so the processes of one host together stay within it."""
+    if budget_gib is not None:
+        return int(budget_gib * _GIB)
+    return int(available_host_bytes() * OFFLOAD_HOST_FRACTION / local_process_count())

@@ -64,3 +64,16 @@ def test_merged_sampling_keeps_working_without_pinned_memory(pinning_fails):
         if name in before:
             assert torch.equal(parameter, before[name]), name
     sampling.close()
+
+
+def test_processes_of_one_host_share_the_default_offload_budget(monkeypatch):
+    from trl_turbo import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100 << 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = host_memory.offload_budget_bytes(None)
+    assert alone == int(0.8 * (100 << 30))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun / accelerate launch: eight ranks on this host
+    each = host_memory.offload_budget_bytes(None)
+    assert each * 8 <= alone and each == alone // 8
+    assert host_memory.offload_budget_bytes(2.5) == int(2.5 * (1 << 30))  # an explicit budget is per process

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..config import liger_layers_enabled, memory_plan
-from ..distributed import CHECKPOINTING_FEATURES, local_process_count, unsupported_features
-from ..host_memory import available_host_bytes
+from ..distributed import CHECKPOINTING_FEATURES, unsupported_features
+from ..host_memory import offload_budget_bytes
 from ..offload import CheckpointOffloader
 from ..vllm.engine_plan import generation_footprint
 from ..offload.install import (
@@ -28,8 +28,6 @@ from ..offload.install import (
     memory_planner,
 )
 
-_GIB = 2**30
-_HOST_BUDGET_FRACTION = 0.8
 
 
 def strategy_keeps_stock_checkpointing(args: Any) -> bool:
@@ -65,11 +63,7 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     # The accelerator's device, not the parameters': DeepSpeed and FSDP move the model there only when training
     # starts, after this runs.
     if offload and trainer.accelerator.device.type == "cuda":
-        budget_gib = args.turbo_offload_host_budget_gib
-        # The training processes of one host share its memory: each takes its part of the default budget.
-        host_bytes = (available_host_bytes() * _HOST_BUDGET_FRACTION / local_process_count() if budget_gib is None
-                      else budget_gib * _GIB)
-        offloader = CheckpointOffloader(int(host_bytes))
+        offloader = CheckpointOffloader(offload_budget_bytes(args.turbo_offload_host_budget_gib))
     planner = memory_planner(model, can_offload=offloader is not None) if plan == "auto" else None
     generation = getattr(trainer, "vllm_generation", None)
     if planner is not None and generation is not None:

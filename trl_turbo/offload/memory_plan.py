@@ -5,8 +5,10 @@ Design decisions:
 - **Measured, not modelled.** At each training forward, the first decoder layer runs with its activations kept while
   a saved-tensor hook adds up the bytes autograd saves for it (parameters excluded). That is one layer's activation
   cost at this micro-batch's exact shape, for any family, attention kernel or adapter. The dense families' layers are
-  alike, so layer 0 speaks for the others. Nothing is extrapolated from other shapes, and every new shape (GRPO pads
-  each micro-batch to its own longest completion, sequence groups split it) is planned from its own measurement.
+  alike, so layer 0 speaks for the others. Every new shape (GRPO pads each micro-batch to its own longest completion,
+  sequence groups split it) is planned from its own measurement, except where the first layer itself would not fit:
+  judged by the last measurement scaled to this shape's tokens (or, before any, a prior of 24x the layer input), it
+  then runs checkpointed and the plan uses that estimate.
 - **From the memory free at that moment.** The device's free memory plus torch's cached-but-unused blocks, less a
   reserve for what follows the layers (one layer's recompute, the loss head and gradients of hidden states) and a
   margin, within torch's per-process memory fraction. With a colocated vLLM engine in standby, its KV cache is

@@ -4,6 +4,7 @@ GRPOConfig surface (auto by default, 'min', 'off')."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -260,3 +261,59 @@ def test_a_first_forward_too_large_for_the_prior_runs_the_most_frugal_plan():
     assert not plan.first_kept and plan.kept_layers == 0 and plan.offloaded == 5
     assert plan.layer_bytes == PRIOR_LAYER_BYTES_PER_INPUT_BYTE * plan.input_bytes
     assert planner.bytes_per_token is None  # nothing measured: the next forward decides from the prior again
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prediction_holds_and_a_wrong_one_replans(monkeypatch):
+    import trl_turbo.offload.memory_plan as memory_plan
+
+    model = tiny_model("llama", vocab_size=len(VOCAB), hidden_size=1024, layers=8, dtype=torch.bfloat16,
+                       intermediate_size=4096, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=False).cuda()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    planner = memory_planner(model, can_offload=True)
+    install_runtime(model, CheckpointingRuntime(CheckpointOffloader(4 << 30), planner))
+    ids = torch.randint(3, len(VOCAB), (4, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def step():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as a GRPO step's generation does before training
+        torch.cuda.reset_peak_memory_stats()
+        _grads(model, ids)
+        torch.cuda.synchronize()
+        plans = planner.take_step_plans()
+        return plans[0], torch.cuda.max_memory_allocated()
+
+    step()  # warm-up (allocator, kernels)
+    honest, peak = step()
+    assert honest.kept_layers == 8  # an idle GPU holds them all
+    assert peak <= honest.predicted_peak_bytes, (peak, honest.predicted_peak_bytes)  # the prediction is an upper bound
+    assert planner.observe_peak([honest], peak) is None
+
+    # A ceiling with room for about half the layers (the margin, the first layer, its recompute, four more), and a
+    # measurement that under-counts 4x: too many layers kept
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    margin = max(int(memory_plan.MARGIN_FRACTION * total), memory_plan.MARGIN_FLOOR_BYTES)
+    room = margin + 6 * honest.layer_bytes + memory_plan.HEAD_HIDDEN_STATES * 4 * honest.input_bytes // 2
+    planner.ceiling = lambda: (total - free) + room
+    real_counting = memory_plan.counting_saved_bytes
+
+    @contextlib.contextmanager
+    def undercounting(excluded):
+        with real_counting(excluded) as counted:
+            yield counted
+        counted[0] //= 4
+
+    monkeypatch.setattr(memory_plan, "counting_saved_bytes", undercounting)
+    wrong, wrong_peak = step()
+    assert wrong.kept_layers > 4
+    message = planner.observe_peak([wrong], wrong_peak)
+    assert message is not None and "exceeded the prediction" in message and planner.extra_reserve_bytes > 0
+    monkeypatch.setattr(memory_plan, "counting_saved_bytes", real_counting)
+    replanned, replanned_peak = step()
+    assert replanned.kept_layers < wrong.kept_layers  # the widened reserve keeps fewer layers
+    assert replanned_peak < wrong_peak

@@ -1,5 +1,6 @@
 """Helpers shared by several test modules (test modules never import each other): a stand-in of the vLLM model
-layout, tiny quantized PEFT models, and a random model tilted to stop early."""
+layout, tiny quantized PEFT models, a random model tilted to stop early, and the checkpointing tests' tiny models,
+token batches and gradients."""
 
 from __future__ import annotations
 
@@ -109,3 +110,33 @@ def assert_fused_equals_stock(trainer, stock_inputs: dict, turbo_inputs: dict) -
     assert stock_grads and stock_grads.keys() == turbo_grads.keys()
     for name, grad in stock_grads.items():
         torch.testing.assert_close(turbo_grads[name], grad, rtol=2e-5, atol=1e-7)
+
+
+def decoder_model(arch="llama", layers=4, device="cpu", dtype=torch.float32, seed=0):
+    """A tiny ``arch`` model (untied head) in train mode, for the checkpointing tests."""
+    model = tiny_model(arch, vocab_size=len(VOCAB), layers=layers, dtype=dtype, seed=seed,
+                       tie_word_embeddings=False).to(device)
+    model.train()
+    return model
+
+
+def token_batch(batch=2, length=24, seed=0):
+    """Seeded random token ids (no special tokens)."""
+    return torch.randint(3, len(VOCAB), (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def checkpointed_grads(model, ids, *, runtime=None, tiled_tokens=None, checkpointing=True):
+    """The causal-LM loss and the parameter gradients of one forward/backward over `ids`, with transformers'
+    checkpointing enabled (unless `checkpointing=False`) and, if given, trl_turbo's runtime and tiled MLP installed."""
+    from trl_turbo.offload.install import install_runtime, install_tiled_mlp
+
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if runtime is not None:
+        install_runtime(model, runtime)
+    if tiled_tokens is not None:
+        install_tiled_mlp(model, tiled_tokens)
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -18,6 +18,8 @@ from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 
+from helpers import checkpointed_grads, decoder_model, token_batch
+
 MIB = 2**20
 
 
@@ -78,21 +80,13 @@ def test_saved_bytes_are_counted_once_per_storage_without_parameters():
 
 # ------------------------------------------------------------------------------------------- on a real model
 def _model(layers=6):
-    model = tiny_model("llama", vocab_size=len(VOCAB), layers=layers, tie_word_embeddings=False)
-    model.train()
+    model = decoder_model(layers=layers)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def _ids():
-    return torch.randint(3, len(VOCAB), (2, 24), generator=torch.Generator().manual_seed(0))
-
-
 def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return checkpointed_grads(model, ids, checkpointing=False)  # enabled once, in `_model`
 
 
 def _planned(free_bytes, offload=True, layers=6):
@@ -112,10 +106,10 @@ def _planned(free_bytes, offload=True, layers=6):
 ], ids=["all-kept", "all-offloaded", "all-on-device", "mixed"])
 def test_plans_follow_the_budget_and_gradients_stay_exact(free_bytes, offload, expected):
     reference_model = _model()
-    loss, grads = _grads(reference_model, _ids())  # transformers' checkpointing
+    loss, grads = _grads(reference_model, token_batch())  # transformers' checkpointing
     if free_bytes == "two":
         probe, probe_planner = _planned(1 << 40)
-        _grads(probe, _ids())
+        _grads(probe, token_batch())
         measured = probe_planner.take_step_plans()[0]
         # margin floor, layer 0, its recompute, the head's four fp32 hidden states (this model is fp32), two inputs
         # in flight to the host, two kept layers and one input on the device
@@ -124,7 +118,7 @@ def test_plans_follow_the_budget_and_gradients_stay_exact(free_bytes, offload, e
                       + 2 * measured.layer_bytes + measured.input_bytes)
     model, planner = _planned(free_bytes, offload)
     model.load_state_dict(reference_model.state_dict())
-    turbo_loss, turbo_grads = _grads(model, _ids())
+    turbo_loss, turbo_grads = _grads(model, token_batch())
     plans = planner.take_step_plans()
     assert len(plans) == 1 and plans[0].layer_bytes > 0
     plan = plans[0]
@@ -139,7 +133,7 @@ def test_plans_follow_the_budget_and_gradients_stay_exact(free_bytes, offload, e
 
 def test_a_missed_prediction_widens_the_reserve_of_later_plans():
     model, planner = _planned(1 << 40)
-    _grads(model, _ids())
+    _grads(model, token_batch())
     first = planner.take_step_plans()[0]
     assert first.kept == 5
     message = planner.observe_peak([first], first.predicted_peak_bytes + (1 << 40))
@@ -147,14 +141,14 @@ def test_a_missed_prediction_widens_the_reserve_of_later_plans():
     assert planner.observe_peak([first], 0) is None  # no second warning, no re-plan without a new excess
     assert planner.observe_peak([first], first.predicted_peak_bytes + (1 << 40)) is None  # widens again, silently
     planner.extra_reserve_bytes = 1 << 40
-    _grads(model, _ids())
+    _grads(model, token_batch())
     assert planner.take_step_plans()[0].kept == 0  # the widened reserve leaves no room to keep layers
 
 
 def test_no_plan_without_grad_or_outside_training():
     model, planner = _planned(1 << 40)
     with torch.no_grad():
-        model(_ids())
+        model(token_batch())
     assert planner.take_step_plans() == []
 
 
@@ -162,7 +156,7 @@ def test_planned_layers_without_a_device_keep_everything():
     model = _model()
     planner = memory_planner(model, can_offload=False)
     install_runtime(model, CheckpointingRuntime(None, planner))
-    _grads(model, _ids())
+    _grads(model, token_batch())
     plan = planner.take_step_plans()[0]
     assert plan == LayerPlan(0, 0, 5, plan.layer_bytes, plan.input_bytes, -1, -1, tokens=2 * 24)
 
@@ -205,7 +199,7 @@ def test_a_forward_that_cannot_keep_every_layer_sizes_groups_that_can():
     from trl_turbo.offload.memory_plan import HEAD_HIDDEN_STATES
 
     model, planner = _planned(1 << 40)
-    _grads(model, _ids())
+    _grads(model, token_batch())
     assert planner.group_tokens() is None  # everything was kept: no group needed
     measured = planner.take_step_plans()[0]
     tokens = measured.tokens
@@ -214,11 +208,11 @@ def test_a_forward_that_cannot_keep_every_layer_sizes_groups_that_can():
     # room (after the margin floor) for every layer at half the forward's tokens
     spendable = int((per_token_layers + per_token_head) * tokens / 2)
     planner.budget = lambda device: ((1 << 30) + spendable, 0, 0)
-    _grads(model, _ids())
+    _grads(model, token_batch())
     assert planner.take_step_plans()[0].kept < 5
     assert abs(planner.group_tokens() - tokens // 2) <= 1
     planner.budget = lambda device: (1 << 40, 0, 0)
-    _grads(model, _ids())  # a forward that keeps everything leaves the group size alone
+    _grads(model, token_batch())  # a forward that keeps everything leaves the group size alone
     assert abs(planner.group_tokens() - tokens // 2) <= 1
 
 
@@ -238,13 +232,13 @@ def test_sequence_groups_follow_the_planned_group_size():
 
 def test_the_first_layer_is_checkpointed_when_its_measured_cost_cannot_fit():
     reference_model = _model()
-    loss, grads = _grads(reference_model, _ids())
+    loss, grads = _grads(reference_model, token_batch())
     model, planner = _planned(1 << 40)
     model.load_state_dict(reference_model.state_dict())
-    _grads(model, _ids())  # measures bytes per token
+    _grads(model, token_batch())  # measures bytes per token
     assert planner.take_step_plans()[0].first_kept
     planner.budget = lambda device: (0, 0, 0)
-    turbo_loss, turbo_grads = _grads(model, _ids())
+    turbo_loss, turbo_grads = _grads(model, token_batch())
     plan = planner.take_step_plans()[0]
     assert not plan.first_kept and plan.kept_layers == 0 and plan.offloaded == 5  # from the earlier measurement
     assert torch.equal(turbo_loss, loss)
@@ -256,7 +250,7 @@ def test_a_first_forward_too_large_for_the_prior_runs_the_most_frugal_plan():
     from trl_turbo.offload.memory_plan import PRIOR_LAYER_BYTES_PER_INPUT_BYTE
 
     model, planner = _planned(0)
-    _grads(model, _ids())
+    _grads(model, token_batch())
     plan = planner.take_step_plans()[0]
     assert not plan.first_kept and plan.kept_layers == 0 and plan.offloaded == 5
     assert plan.layer_bytes == PRIOR_LAYER_BYTES_PER_INPUT_BYTE * plan.input_bytes

@@ -19,27 +19,9 @@ from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tolerance import assert_within_naive_error
 from trl_turbo.testing.tokenizer import VOCAB
 
+from helpers import checkpointed_grads, decoder_model, token_batch
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _model(arch="llama", layers=4, device="cpu", dtype=torch.float32, seed=0):
-    model = tiny_model(arch, vocab_size=len(VOCAB), layers=layers, dtype=dtype, seed=seed,
-                       tie_word_embeddings=False).to(device)
-    model.train()
-    return model
-
-
-def _grads(model, ids, *, runtime=None, tiled_tokens=None, checkpointing=True):
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if runtime is not None:
-        install_runtime(model, runtime)
-    if tiled_tokens is not None:
-        install_tiled_mlp(model, tiled_tokens)
-    model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.fixture(autouse=True)
@@ -49,16 +31,12 @@ def _fresh_patch_state():
     trl_turbo.patch()
 
 
-def _ids(batch=2, length=24, seed=0):
-    return torch.randint(3, len(VOCAB), (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("chunk_bytes", [1 << 24, 1 << 12], ids=["one-chunk", "partial-last-chunk"])
 def test_offloaded_checkpoint_gradients_are_bitwise_those_of_plain_checkpointing(chunk_bytes):
-    ids = _ids()  # a layer input is 2 x 24 x 32 fp32 = 6144 bytes: 1.5 chunks of 4 KiB
-    stock_loss, stock = _grads(_model(), ids)
+    ids = token_batch()  # a layer input is 2 x 24 x 32 fp32 = 6144 bytes: 1.5 chunks of 4 KiB
+    stock_loss, stock = checkpointed_grads(decoder_model(), ids)
     offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0, chunk_bytes=chunk_bytes)
-    turbo_loss, turbo = _grads(_model(), ids, runtime=CheckpointingRuntime(offloader))
+    turbo_loss, turbo = checkpointed_grads(decoder_model(), ids, runtime=CheckpointingRuntime(offloader))
     assert torch.equal(stock_loss, turbo_loss)
     assert stock.keys() == turbo.keys()
     for name in stock:
@@ -71,20 +49,20 @@ def test_offloaded_checkpoint_gradients_are_bitwise_those_of_plain_checkpointing
 
 def test_host_budget_keeps_checkpoints_on_device():
     offloader = CheckpointOffloader(host_budget_bytes=0, min_bytes=0)
-    _grads(_model(), _ids(), runtime=CheckpointingRuntime(offloader))
+    checkpointed_grads(decoder_model(), token_batch(), runtime=CheckpointingRuntime(offloader))
     stats = offloader.take_stats()
     assert stats.offloaded_bytes == 0 and stats.kept_on_device_bytes > 0
 
 
 def test_host_buffers_are_recycled_across_steps():
     offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
-    model = _model()
+    model = decoder_model()
     runtime = CheckpointingRuntime(offloader)
-    _grads(model, _ids(), runtime=runtime)
+    checkpointed_grads(model, token_batch(), runtime=runtime)
     allocated = offloader.pool.allocated_bytes
     assert allocated > 0 and offloader.pool.free_bytes == allocated  # every chunk back in the pool after backward
     for seed in range(3):
-        _grads(model, _ids(seed=seed), runtime=runtime)
+        checkpointed_grads(model, token_batch(seed=seed), runtime=runtime)
         assert offloader.pool.allocated_bytes == allocated  # reused, not re-allocated
 
 
@@ -117,10 +95,10 @@ def test_pool_chunks_are_powers_of_two():
 
 def test_forward_without_backward_returns_its_buffers():
     offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
-    model = _model()
+    model = decoder_model()
     model.gradient_checkpointing_enable()
     install_runtime(model, CheckpointingRuntime(offloader))
-    loss = model(_ids(), labels=_ids()).loss
+    loss = model(token_batch(), labels=token_batch()).loss
     assert offloader.pool.free_bytes == 0 and offloader.pool.allocated_bytes > 0
     del loss
     gc.collect()
@@ -129,13 +107,13 @@ def test_forward_without_backward_returns_its_buffers():
 
 def test_inert_without_grad():
     offloader = CheckpointOffloader(host_budget_bytes=1 << 40, min_bytes=0)
-    model = _model()
+    model = decoder_model()
     model.gradient_checkpointing_enable()
     install_runtime(model, CheckpointingRuntime(offloader))
     with torch.no_grad():
-        model(_ids())
+        model(token_batch())
     with torch.inference_mode():
-        model(_ids())
+        model(token_batch())
     assert offloader.take_stats().offloaded_bytes == 0
     assert offloader._newest is None
 
@@ -143,10 +121,10 @@ def test_inert_without_grad():
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_tiled_mlp_matches_plain_mlp(arch, checkpointing):
-    ids = _ids(batch=2, length=24)
-    stock_loss, stock = _grads(_model(arch), ids, checkpointing=checkpointing)
+    ids = token_batch(batch=2, length=24)
+    stock_loss, stock = checkpointed_grads(decoder_model(arch), ids, checkpointing=checkpointing)
     runtime = CheckpointingRuntime(None) if checkpointing else None
-    turbo_loss, turbo = _grads(_model(arch), ids, runtime=runtime, tiled_tokens=7, checkpointing=checkpointing)
+    turbo_loss, turbo = checkpointed_grads(decoder_model(arch), ids, runtime=runtime, tiled_tokens=7, checkpointing=checkpointing)
     torch.testing.assert_close(turbo_loss, stock_loss, rtol=1e-6, atol=1e-7)
     for name in stock:
         torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
@@ -156,7 +134,7 @@ def _lora_with_dropout(dropout: float):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator
-    model = get_peft_model(_model(layers=2), LoraConfig(r=4, lora_dropout=dropout,
+    model = get_peft_model(decoder_model(layers=2), LoraConfig(r=4, lora_dropout=dropout,
                                                         target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"]))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -182,7 +160,7 @@ def _seeded_grads(model, ids, **features):
 def test_lora_dropout_gradients_equal_plain_checkpointing():
     """Dropout masks drawn in the forward must be the ones the backward uses: the checkpoint recompute replays the
     random state; an MLP with active dropout runs untiled (its tiles' recompute would draw new masks)."""
-    ids = _ids(batch=2, length=24)
+    ids = token_batch(batch=2, length=24)
     stock_loss, stock = _seeded_grads(_lora_with_dropout(0.5), ids)
     turbo_loss, turbo = _seeded_grads(_lora_with_dropout(0.5), ids, runtime=True, tiled_tokens=8)
     torch.testing.assert_close(turbo_loss, stock_loss, rtol=0, atol=0)
@@ -238,7 +216,7 @@ def test_layers_outside_the_tested_families_keep_transformers_checkpointing():
     install_runtime(moe, CheckpointingRuntime(None))
     assert install_tiled_mlp(moe, 8) == 0
     assert moe.model.layers[0]._gradient_checkpointing_func is before
-    ids = _ids(batch=2, length=24)
+    ids = token_batch(batch=2, length=24)
     out = moe(ids, labels=ids)
     assert out.aux_loss.requires_grad  # the router is still trained by its balancing loss
     assert install_tiled_mlp(model, 8) == 2  # the llama layers are
@@ -283,7 +261,7 @@ def test_a_later_trainer_on_the_same_model_gets_exactly_its_own_features(tmp_pat
 
 
 def test_tiled_mlp_leaves_small_inputs_alone():
-    model = _model()
+    model = decoder_model()
     install_tiled_mlp(model, 10_000)
     forward = model.model.layers[0].mlp.forward
     assert isinstance(forward, TiledMLPForward)
@@ -295,7 +273,7 @@ def test_tiled_mlp_leaves_small_inputs_alone():
 
 
 def test_installation_is_idempotent_and_undone_by_unpatch():
-    model = _model()
+    model = decoder_model()
     assert install_tiled_mlp(model, 8) == 4
     records = len(registry._records)
     assert install_tiled_mlp(model, 16) == 4
@@ -313,7 +291,7 @@ def test_installation_is_idempotent_and_undone_by_unpatch():
 
 def test_repeated_enable_disable_cycles_do_not_leak_hooks_or_change_the_function():
     """TRL disables and re-enables checkpointing around every generation, with raw kwargs."""
-    model = _model()
+    model = decoder_model()
     model.gradient_checkpointing_enable()
     runtime = CheckpointingRuntime(None)
     install_runtime(model, runtime)
@@ -323,7 +301,7 @@ def test_repeated_enable_disable_cycles_do_not_leak_hooks_or_change_the_function
         model.gradient_checkpointing_enable({"use_reentrant": False, "offload": True, "every_n_layers": 1})
         assert all(layer._gradient_checkpointing_func is runtime.checkpoint_for(layer) for layer in model.model.layers)
         assert len(embed._forward_hooks) == 1
-    loss, grads = _grads(model, _ids(), checkpointing=False)
+    loss, grads = checkpointed_grads(model, token_batch(), checkpointing=False)
     assert grads and torch.isfinite(loss)
 
 
@@ -356,7 +334,7 @@ def test_training_with_checkpointing_and_tiles_matches_stock(peft):
 
 # ------------------------------------------------------------------------------------------------------ GPU
 def _gpu_model(dtype, peft):
-    model = _model(layers=6, device="cuda", dtype=dtype)
+    model = decoder_model(layers=6, device="cuda", dtype=dtype)
     if peft:
         from peft import LoraConfig, get_peft_model
 
@@ -397,7 +375,7 @@ class _SlowCopies(CheckpointOffloader):
 def test_gpu_offload_gradients_bitwise_equal(dtype, peft, offloader_cls, chunk_bytes):
     """Offload on vs off (same checkpoint function, inputs kept on the device): bitwise equal gradients. A layer
     input is 4 x 255 x 32 x 2 bytes: 16 chunks of 4 KiB, the last one partial."""
-    ids = _ids(batch=4, length=255).cuda()
+    ids = token_batch(batch=4, length=255).cuda()
     on_device = _gpu_grads(_gpu_model(dtype, peft), ids, None, peft)
     again = _gpu_grads(_gpu_model(dtype, peft), ids, None, peft)
     for name in on_device:  # without this, a nondeterministic kernel would read as an offload bug
@@ -416,7 +394,7 @@ def test_gpu_offload_gradients_bitwise_equal(dtype, peft, offloader_cls, chunk_b
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_gpu_offloaded_checkpoint_matches_torch_checkpoint(peft):
     """Against torch.utils.checkpoint (non-reentrant), only the summation order of gradients may differ."""
-    ids = _ids(batch=4, length=256).cuda()
+    ids = token_batch(batch=4, length=256).cuda()
     model = _gpu_model(torch.float32, peft)
     base = model.get_base_model() if peft else model
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -434,7 +412,7 @@ def test_gpu_offloaded_checkpoint_matches_torch_checkpoint(peft):
 def test_lean_norm_matches_the_original_norm(arch, dtype):
     from trl_turbo.offload.install import install_lean_norms
 
-    model = _model(arch, layers=1, dtype=dtype)
+    model = decoder_model(arch, layers=1, dtype=dtype)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms
     gen = torch.Generator().manual_seed(0)
@@ -465,7 +443,7 @@ def test_lean_norm_matches_the_original_norm(arch, dtype):
 def test_lean_norms_skip_other_norm_formulas():
     from trl_turbo.offload.install import install_lean_norms
 
-    assert install_lean_norms(_model("gemma")) == 0  # gemma scales by (1 + weight): left alone
+    assert install_lean_norms(decoder_model("gemma")) == 0  # gemma scales by (1 + weight): left alone
 
 
 @pytest.mark.gpu

@@ -188,8 +188,7 @@ class MemoryPlanner:
         if budget is not None:
             free, allocated, total = budget
             margin = max(int(MARGIN_FRACTION * total), MARGIN_FLOOR_BYTES) + self.extra_reserve_bytes
-        measured_before = self.bytes_per_token is not None
-        estimate = (int(self.bytes_per_token * tokens) if measured_before
+        estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
                     else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
         # kept, it costs its activations now and a recompute-sized working set stays reserved for the backward pass
         first_kept = budget is None or free - margin - head_bytes - 2 * estimate >= 0
@@ -234,11 +233,10 @@ class MemoryPlanner:
         self.group_budget = max(0, int(plan.spendable_bytes / per_token))
 
     def mode(self, index: int) -> str:
-        """How the layer at `index` (0 is the measured one) runs in the current forward."""
+        """How the layer at `index` >= 1 runs in the current forward (the first layer runs in `run_first_layer`);
+        before any plan, the most frugal way."""
         if self.current is None:
-            return "keep" if index == 0 else "offload" if self.can_offload else "device"
-        if index == 0:
-            return "keep" if self.current.first_kept else "offload" if self.can_offload else "device"
+            return "offload" if self.can_offload else "device"
         return self.current.mode(index - 1)
 
     def observe_peak(self, plans: list[LayerPlan], peak_bytes: int) -> str | None:

@@ -69,7 +69,7 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     if planner is not None and generation is not None:
         # A colocated engine in standby: training grows back at most to what the last generation used
         generation_ref = weakref.ref(generation)
-        planner.ceiling = lambda: generation_footprint(generation_ref()) if generation_ref() is not None else None
+        planner.ceiling = lambda: generation_footprint(generation_ref())  # None once the engine is gone
     runtime = CheckpointingRuntime(offloader, planner)
     install_runtime(model, runtime)
     if tiled:

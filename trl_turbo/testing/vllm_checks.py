@@ -9,9 +9,11 @@ logits are near ties and greedy tokens flip between kernels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,29 +87,35 @@ def weight_copies(trainer: Any) -> dict[str, Any]:
     return {"frozen_matrices": len(frozen), "second_copies": second}
 
 
+def engine_generate(trainer: Any, token_ids: list[list[int]], params: Any) -> list[Any]:
+    """vLLM's outputs for the prompts `token_ids` under SamplingParams `params`, from the live adapter in whichever
+    sampling mode the engine has, with the KV cache mapped for this call only."""
+    import contextlib
+
+    generation = trainer.vllm_generation
+    state = engine_state(generation)
+    generation.sync_weights()
+    # merged sampling: the adapter is in vLLM's weights for this block only
+    with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
+        state.standby.restore()  # also resets the prefix cache: blocks of other weights are not reused
+        if state.fp8 is not None:  # fp8 sampling: the copy is written from the live adapter after the restore
+            state.fp8.write()
+        outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids], params,
+                                          lora_request=None if state.merged is not None else state.lora_request,
+                                          use_tqdm=False)
+        state.standby.release()
+    return outputs
+
+
 @torch.no_grad()
 def logprob_gaps(trainer: Any, prompts: int = 8, tokens: int = 8) -> tuple[float, float]:
     """Sample with vLLM (live adapter); mean |Δ log-prob| of the sampled tokens against HF with the adapter and
     against HF without it."""
     from vllm import SamplingParams
 
-    import contextlib
-
-    generation = trainer.vllm_generation
-    state = engine_state(generation)
-    generation.sync_weights()
     token_ids = [[3 + (7 * i + j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
-    # merged sampling: the adapter is in vLLM's weights for this block only
-    with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
-        state.standby.restore()  # also resets the prefix cache: blocks of other weights are not reused
-        if state.fp8 is not None:  # fp8 sampling: the copy is written from the live adapter after the restore
-            state.fp8.write()
-        outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
-                                          SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
-                                                         ignore_eos=True, seed=0),
-                                          lora_request=None if state.merged is not None else state.lora_request,
-                                          use_tqdm=False)
-        state.standby.release()
+    outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
+                                                                 ignore_eos=True, seed=0))
     model = trainer.model
     model.eval()
     gaps: dict[str, list[torch.Tensor]] = {"adapter": [], "base": []}
@@ -202,19 +210,32 @@ def changed_matrices(trainer: Any, snapshot: dict[str, torch.Tensor]) -> list[st
                   if not torch.equal(now[name].detach().cpu().view(torch.uint8), weight.view(torch.uint8)))
 
 
-def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None = None,
-                 sampling: str = "auto") -> dict[str, Any]:
-    """One copy of the base weights (or, where vLLM cannot share them, a separate copy holding the training
-    model's dequantized values), samples from the live adapter before and after training steps."""
-    import functools
-
+@contextlib.contextmanager
+def eager_engines(seed_offset: int = 0) -> Iterator[None]:
+    """Within the block, the engines TRL builds run eagerly (no compilation or CUDA graphs), with their sampling seed
+    shifted by `seed_offset`; TRL's `LLM` comes back afterwards (through the registry)."""
     import trl.generation.vllm_generation as vllm_generation
 
     from trl_turbo import registry
 
+    original = vllm_generation.LLM
+
+    def eager_llm(*args: Any, **kwargs: Any) -> Any:
+        kwargs["enforce_eager"] = True
+        if seed_offset:
+            kwargs["seed"] = kwargs.get("seed", 0) + seed_offset
+        return original(*args, **kwargs)
+
+    with registry.scoped(vllm_generation, "LLM", eager_llm):
+        yield
+
+
+def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None = None,
+                 sampling: str = "auto") -> dict[str, Any]:
+    """One copy of the base weights (or, where vLLM cannot share them, a separate copy holding the training
+    model's dequantized values), samples from the live adapter before and after training steps."""
     # Eager vLLM: compiling and capturing graphs would take most of each family's time and is not what is checked
-    eager = functools.partial(vllm_generation.LLM, enforce_eager=True)
-    with warnings.catch_warnings(record=True) as caught, registry.scoped(vllm_generation, "LLM", eager):
+    with warnings.catch_warnings(record=True) as caught, eager_engines():
         warnings.simplefilter("always")
         trainer = build_trainer(arch, path, steps=steps, completion_cap=8, quantization=quantization,
                                 turbo_vllm_sampling=sampling)
@@ -228,14 +249,9 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
                               "copies_before": weight_copies(trainer)}
     result["copy_mismatches_before"] = copy_mismatches(llm, trainer.model) if separate else None
     result["sampling"] = sampling_mode(trainer)
-    before = frozen_snapshot(trainer)
-    result["gaps_before"] = logprob_gaps(trainer)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train()
-    result["rollout_alarms"] = rollout_alarms(caught)
-    result["gaps_after"] = logprob_gaps(trainer)
-    result["changed_base_matrices"] = changed_matrices(trainer, before)
+    observed = observed_training(trainer)
+    result.update({key: observed[key] for key in ("gaps_before", "rollout_alarms", "gaps_after")})
+    result["changed_base_matrices"] = observed["changed_after_training"]
     result["copies_after"] = weight_copies(trainer)
     result["copy_mismatches_after"] = copy_mismatches(llm, trainer.model) if separate else None
     result["four_bit_matrices"] = sum(is_packed_4bit(w) for w in _frozen(trainer).values())
@@ -245,21 +261,11 @@ def check_family(arch: str, path: Path, steps: int = 3, quantization: str | None
     return result
 
 
-def train_recording(trainer: Any) -> dict[str, Any]:
-    """Randomize the adapter, then train with the engine: device memory in use after each step, rollout alarms
-    raised, the frozen matrices changed, and the sampler's log-prob gaps (live adapter, base) before and after."""
-    from transformers import TrainerCallback
-
-    randomize_adapter(trainer.model)
+def observed_training(trainer: Any) -> dict[str, Any]:
+    """Train with the engine: the sampler's log-prob gaps (live adapter, base) before and after, the rollout alarms
+    raised, the frozen matrices changed, and the snapshot they were compared with."""
     before = frozen_snapshot(trainer)
-    result: dict[str, Any] = {"gaps_before": logprob_gaps(trainer), "used": []}
-
-    class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            free, total = torch.cuda.mem_get_info()
-            result["used"].append(total - free)
-
-    trainer.add_callback(Record())
+    result: dict[str, Any] = {"gaps_before": logprob_gaps(trainer)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -268,6 +274,22 @@ def train_recording(trainer: Any) -> dict[str, Any]:
     result["changed_after_training"] = changed_matrices(trainer, before)
     result["snapshot"] = before
     return result
+
+
+def train_recording(trainer: Any) -> dict[str, Any]:
+    """Randomize the adapter, then `observed_training`, with the device memory in use after each step ("used")."""
+    from transformers import TrainerCallback
+
+    randomize_adapter(trainer.model)
+    used: list[int] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            free, total = torch.cuda.mem_get_info()
+            used.append(total - free)
+
+    trainer.add_callback(Record())
+    return {**observed_training(trainer), "used": used}
 
 
 @torch.no_grad()
@@ -281,18 +303,10 @@ def greedy_comparison(trainer: Any, path: Path, prompts: int = 8, tokens: int = 
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    generation = trainer.vllm_generation
-    state = engine_state(generation)
-    if state.merged is None:
+    if engine_state(trainer.vllm_generation).merged is None:
         raise AssertionError("greedy_comparison checks the merged mode")
-    generation.sync_weights()
     token_ids = [[3 + (5 * i + 2 * j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
-    with state.merged.sampling():
-        state.standby.restore()
-        outputs = generation.llm.generate([{"prompt_token_ids": p} for p in token_ids],
-                                          SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-                                          use_tqdm=False)
-        state.standby.release()
+    outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
     sampled = [list(output.outputs[0].token_ids) for output in outputs]
 
     device = trainer.model.device
@@ -326,18 +340,7 @@ def curve_run(arch: str, path: Path, sampling: str, vllm_seed_offset: int = 0, s
     """Train the toy task with eager vLLM in one sampling mode; the engine's sampling seed is shifted by
     ``vllm_seed_offset`` (the run-to-run noise reference). Returns the per-step loss, reward and the sampler/trainer
     log-prob gap TRL logs."""
-    import trl.generation.vllm_generation as vllm_generation
-
-    from trl_turbo import registry
-
-    original = vllm_generation.LLM
-
-    def shifted_llm(*args: Any, **kwargs: Any) -> Any:
-        kwargs["seed"] = kwargs.get("seed", 0) + vllm_seed_offset
-        kwargs["enforce_eager"] = True
-        return original(*args, **kwargs)
-
-    with registry.scoped(vllm_generation, "LLM", shifted_llm):
+    with eager_engines(vllm_seed_offset):
         trainer = build_trainer(arch, path, steps=steps, completion_cap=16, turbo_vllm_sampling=sampling)
     trainer.train()
     logs = trainer.state.log_history

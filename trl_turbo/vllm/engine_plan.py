@@ -332,8 +332,9 @@ def engine_state(generation: Any) -> EngineState | None:
 
 
 def generation_footprint(generation: Any) -> int | None:
-    """Device memory in use when the engine's last generation ended (None: no standby, or no generation yet): with
-    the KV cache released during training, the training phase can use up to this without raising the step's peak."""
+    """Device memory in use when the engine's last generation ended (None: no engine, no standby, or no generation
+    yet): with the KV cache released during training, the training phase can use up to this without raising the
+    step's peak."""
     state = engine_state(generation)
     standby = state.standby if state is not None else None
     return standby.generation_in_use_bytes if standby is not None else None

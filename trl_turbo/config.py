@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .families import LLAMA_NORM_MODEL_TYPES, MODEL_TYPES, SHARED_WEIGHT_MODEL_TYPES, listed
-from .grpo.rollout_check import ROLLOUT_CHECK_MODES
 from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec, validate_loss_options
 
 VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 VLLM_SAMPLING_MODES = ("auto", "merged", "fp8", "lora")
+ROLLOUT_CHECK_MODES = ("warn", "error", "off")
 # The loss spec's defaults are the defaults of the loss fields below (one source).
 _LOSS_DEFAULTS = LossSpec()
 # Loss fields that act in some loss types only -> those loss types.

@@ -13,7 +13,7 @@ from collections import defaultdict
 import pytest
 
 from trl_turbo.grpo.rollout_check import RolloutCheck, RolloutMismatch
-from trl_turbo.patches.trl_step_metrics import check_rollout
+from trl_turbo.grpo.step_metrics import check_rollout
 
 
 def _run(gaps):
@@ -50,7 +50,7 @@ def _trainer(mode):
 
 def _log(trainer, gap):
     trainer._metrics["train"]["sampling/sampling_logp_difference/mean"].append(gap)
-    check_rollout(trainer)
+    check_rollout(trainer, trainer._metrics["train"])
 
 
 def test_the_seam_reads_each_logged_gap_once_across_trl_clears():
@@ -59,7 +59,7 @@ def test_the_seam_reads_each_logged_gap_once_across_trl_clears():
         warnings.simplefilter("always")
         for gap in (0.002, 0.002, 0.004):
             _log(trainer, gap)
-            check_rollout(trainer)  # a micro-step without a new generation reads nothing new
+            check_rollout(trainer, trainer._metrics["train"])  # a micro-step without a new generation reads nothing new
             trainer._metrics["train"].clear()  # TRL's log() clears the metrics
         _log(trainer, 0.05)
         _log(trainer, 0.07)

@@ -68,7 +68,7 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
     import torch
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
-    from trl_turbo.patches.trl_step_metrics import _reduced
+    from trl_turbo.grpo.step_metrics import reduced_over_ranks
     from trl_turbo.grpo.sequence_groups import sequence_groups
 
     accelerator = Accelerator(cpu=True)
@@ -88,8 +88,8 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
     # Rank 1's micro-batch carries images (rows are patches, not sequences): no rank splits, and none hangs
     images = {"pixel_values": torch.zeros(10, 8)} if rank == 1 else {}
     assert sequence_groups(trainer, {**inputs, **images}) is None
-    reduced = _reduced(accelerator, {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},
-                       frozenset({"offload/host_peak_gib"}))
+    reduced = reduced_over_ranks(accelerator, {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},
+                                 frozenset({"offload/host_peak_gib"}))
     assert reduced == {"offload/offloaded_gib": 0.5, "offload/host_peak_gib": 3.0}, reduced
     open(f"rank{rank}.ok", "w").close()
     from trl_turbo.testing.multi_gpu import end_process_group

@@ -34,6 +34,7 @@ from . import (
     set_patched,
     synchronize,
 )
+from ..patches import trl_internals
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 from .shapes import QUANTIZATIONS, SHAPES, build_config
 
@@ -164,7 +165,8 @@ def old_logps_pass(trainer: Any, inputs: dict[str, torch.Tensor]) -> dict[str, t
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
-        old, _, _ = trainer._get_per_token_logps_and_entropies(
+        old = trl_internals.per_token_logps(
+            trainer,
             trainer.model,
             input_ids,
             attention_mask,

@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-ROLLOUT_CHECK_MODES = ("warn", "error", "off")
-
 
 class RolloutMismatch(RuntimeError):
     """vLLM's samples do not come from the policy being trained (`turbo_rollout_check='error'`)."""

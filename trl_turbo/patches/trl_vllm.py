@@ -31,7 +31,6 @@ from ..vllm import session as engine_session
 from ..vllm.adapter import adapter_config_dict, adapter_tensors
 from ..vllm.engine_plan import (
     ENGINE_STATE_ATTRIBUTE,
-    drain_metrics,
     engine_kwargs,
     engine_sampling,
     engine_sharing,
@@ -43,7 +42,7 @@ from ..vllm.sharing import SHARED
 from .. import registry
 from . import construction
 
-__all__ = ["apply", "drain_metrics"]  # drain_metrics: read by the step-metrics seam
+__all__ = ["apply"]
 
 
 def _wrap_init_vllm(original):

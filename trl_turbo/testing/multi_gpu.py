@@ -15,6 +15,7 @@ Rank 0 writes a JSON file: per-step losses, trl_turbo's metrics, and each rank's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,8 @@ import zlib
 from typing import Any
 
 import torch
+
+from trl_turbo.patches import trl_internals
 
 GLOBAL_BATCH = 8
 NUM_GENERATIONS = 4
@@ -50,7 +53,7 @@ def deterministic_completions(trainer: Any, pad_id: int, eos_id: int, first_toke
 
         return completions, None
 
-    trainer._generate_single_turn = _generate_single_turn
+    trl_internals.replace_generation(trainer, _generate_single_turn)
 
 
 def run_launch(command: list[str], *, timeout: float, cwd: Any = None, env: dict[str, str] | None = None,
@@ -88,23 +91,29 @@ def text_reward(completions: list[Any], **_: Any) -> list[float]:
 
 class _StepPeaks:
     """This rank's torch peak at the end of each training step, read just before trl_turbo's step metrics reset it
-    (they log each step's peak), so the run's peak survives the resets."""
+    (they log each step's peak), so the run's peak survives the resets. A context manager: the reading is installed
+    through `registry.scoped` and removed however the run ends."""
 
     def __init__(self) -> None:
-        from trl_turbo.patches import trl_step_metrics
-
         self.bytes: list[int] = []
-        self._module, self._original = trl_step_metrics, trl_step_metrics.step_values
+        self._scope = contextlib.ExitStack()
+
+    def __enter__(self) -> "_StepPeaks":
+        from trl_turbo import registry
+        from trl_turbo.grpo import step_metrics
+
+        original = step_metrics.step_values
 
         def step_values(trainer: Any) -> dict[str, float]:
             if torch.cuda.is_available():
                 self.bytes.append(torch.cuda.max_memory_allocated())
-            return self._original(trainer)
+            return original(trainer)
 
-        trl_step_metrics.step_values = step_values
+        self._scope.enter_context(registry.scoped(step_metrics, "step_values", step_values))
+        return self
 
-    def stop(self) -> None:
-        self._module.step_values = self._original
+    def __exit__(self, *exc: Any) -> None:
+        self._scope.close()
 
 
 def run(out: str, steps: int, variant: str) -> None:
@@ -136,12 +145,9 @@ def run(out: str, steps: int, variant: str) -> None:
             peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0),
         )
         deterministic_completions(trainer, PAD_ID, EOS_ID, len(SPECIAL_TOKENS), len(VOCAB))
-        step_peaks = _StepPeaks()
-        start = time.perf_counter()
-        try:
+        with _StepPeaks() as step_peaks:
+            start = time.perf_counter()
             trainer.train()
-        finally:
-            step_peaks.stop()
         elapsed = time.perf_counter() - start
     peak_bytes = max([torch.cuda.max_memory_allocated(), *step_peaks.bytes]) if torch.cuda.is_available() else 0
     peak = torch.tensor([peak_bytes / 2**30], device=state.device)  # CPU: 0, a harness check only

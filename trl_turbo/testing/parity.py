@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import trl_turbo
+from trl_turbo.patches import trl_internals
 from trl_turbo.tasks import arithmetic
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB, build_tokenizer
@@ -232,7 +233,8 @@ def synthetic_batch(
     noise = lambda: 0.3 * torch.randn(batch, completion_len, generator=gen)  # noqa: E731
     if with_sampling_logps or with_old_logps or with_ref_logps:
         with torch.no_grad():
-            current, _, _ = trainer._get_per_token_logps_and_entropies(
+            current = trl_internals.per_token_logps(
+                trainer,
                 trainer.model,
                 torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
                 torch.cat([inputs["prompt_mask"], completion_mask], 1),
@@ -248,12 +250,12 @@ def synthetic_batch(
 
 
 def loss_and_grads(trainer: Any, inputs: dict[str, torch.Tensor], *, fused: bool) -> tuple[torch.Tensor, dict]:
-    """`trainer._compute_loss` with trl_turbo's fused loss on or off; returns the loss and parameter gradients."""
+    """TRL's loss step (`_compute_loss`) with trl_turbo's fused loss on or off; returns the loss and parameter gradients."""
     trainer.args.turbo_fused_loss = fused
     if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer's loop; not run here
         trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     trainer.model.zero_grad(set_to_none=True)
-    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    loss = trl_internals.compute_loss(trainer, trainer.model, dict(inputs))
     loss.backward()
     grads = {
         n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None

@@ -18,7 +18,7 @@ LAYERS: dict[str, int] = {
     "ops": 2,
     "losses": 3,
     "config": 4,
-    "grpo": 5, "offload": 5, "vllm": 5, "tasks": 5,
+    "grpo": 5, "offload": 5, "vllm": 5, "tasks": 5, "planning": 5,
     "patches": 6,
     "__init__": 7, "cli": 7, "_launch": 7, "bench": 7, "testing": 7,
 }

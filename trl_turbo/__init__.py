@@ -19,7 +19,7 @@ from .patches import apply_all as _apply_all
 from .patches import restore_all as _restore_all
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "is_patched", "patch", "unpatch"]
+__all__ = ["__version__", "is_patched", "patch", "plan", "unpatch"]
 
 
 def patch() -> bool:
@@ -35,6 +35,14 @@ def unpatch() -> None:
     defined while patched keeps the `turbo_*` fields in its own dataclass `__init__` (unused once unpatched)."""
     with _registry.lock:
         _restore_all()
+
+
+def plan(*args, **kwargs):
+    """The memory forecast of a GRPO run per phase, for trl_turbo and stock TRL (`trl_turbo.planning.plan`;
+    printing the result gives `trl-turbo plan`'s table)."""
+    from .planning import plan as forecast
+
+    return forecast(*args, **kwargs)
 
 
 def is_patched() -> bool:

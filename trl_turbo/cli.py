@@ -4,6 +4,8 @@ Design: TRL's CLI parses the arguments (with GRPOConfig already carrying the `tu
 this module imports trl_turbo) and then starts `trl/scripts/<command>.py` through `accelerate launch`. That child
 process would not import trl_turbo, so the launcher is pointed at `trl_turbo/_launch.py`, which patches TRL and then
 runs TRL's script unchanged. Everything else — argument names, YAML configs, accelerate configs — is TRL's.
+
+`trl-turbo plan` is trl_turbo's own command: the memory forecast of `trl_turbo.planning` for a `trl grpo` YAML.
 """
 
 from __future__ import annotations
@@ -30,13 +32,46 @@ def launch_training_script_with_turbo(
     launch_command_fn(accelerate_args)
 
 
+def plan_main(argv: list[str]) -> int:
+    """`trl-turbo plan --config grpo.yaml [--model M] [--gpu-gib G] ...`: print the forecast; exit 1 if it does not
+    fit, 2 on bad input."""
+    import argparse
+
+    from trl_turbo.planning import plan
+
+    parser = argparse.ArgumentParser(
+        prog="trl-turbo plan",
+        description="Forecast a GRPO run's device and host memory per phase (start-up, generation, training) for "
+        "trl_turbo and stock TRL, without loading weights.")
+    parser.add_argument("--config", help="the run's YAML (as `trl grpo --config` takes it)")
+    parser.add_argument("--model", help="bench shape name, local directory or config.json, or hub id "
+                        "(default: the config's model_name_or_path)")
+    parser.add_argument("--gpu-gib", type=float, help="device memory to plan for (default: this machine's GPU)")
+    parser.add_argument("--host-gib", type=float, help="host memory to plan for (default: what is available here)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per sequence (default 256)")
+    parser.add_argument("--completion-tokens", type=int,
+                        help="completion tokens per sequence (default: the config's max_completion_length)")
+    options = parser.parse_args(argv)
+    try:
+        forecast = plan(options.config, options.model, gpu_gib=options.gpu_gib, host_gib=options.host_gib,
+                        prompt_tokens=options.prompt_tokens, completion_tokens=options.completion_tokens)
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"trl-turbo plan: {exc}", file=sys.stderr)
+        return 2
+    print(forecast)
+    return 0 if forecast.turbo.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     import trl.cli.accelerate_launcher as accelerate_launcher
     from trl.cli.main import main as trl_main
 
     # Process-local and only for this command: `trl.cli.commands.training` imports the launcher at call time.
     accelerate_launcher.launch_training_script = launch_training_script_with_turbo
-    return trl_main(sys.argv[1:] if argv is None else argv)
+    return trl_main(argv)
 
 
 if __name__ == "__main__":

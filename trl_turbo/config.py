@@ -275,8 +275,9 @@ def memory_plan(args: Any) -> str:
     return getattr(args, "turbo_memory_plan", "auto")
 
 
-def validate(args: Any) -> None:
-    """Raise ValueError for unknown or conflicting trl_turbo settings (called in __post_init__)."""
+def validate(args: Any, installed: bool = True) -> None:
+    """Raise ValueError for unknown or conflicting trl_turbo settings (called in __post_init__). `installed=False`:
+    skip the checks of this machine's library versions (`trl-turbo plan` judges a config for another machine)."""
     if args.turbo_liger_layers:
         _validate_liger(args)
     if args.turbo_logprob_chunk_tokens is not None and args.turbo_logprob_chunk_tokens < 1:
@@ -297,7 +298,7 @@ def validate(args: Any) -> None:
     if budget is not None and not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
     _check_memory_features_strategy(args)
-    _validate_vllm(args)
+    _validate_vllm(args, installed)
     if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig":
         check_loss_type_known(args.loss_type)
     _check_vespo_is_mode(args)
@@ -436,7 +437,7 @@ def _validate_liger(args: Any) -> None:
         raise ValueError(reason)
 
 
-def _validate_vllm(args: Any) -> None:
+def _validate_vllm(args: Any, installed: bool = True) -> None:
     if args.turbo_vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
         raise ValueError(f"`turbo_vllm_kv_cache_dtype={args.turbo_vllm_kv_cache_dtype!r}` is not one of "
                          f"{', '.join(VLLM_KV_CACHE_DTYPES)}.")
@@ -477,6 +478,8 @@ def _validate_vllm(args: Any) -> None:
             raise ValueError(f"`turbo_vllm_shared_weights=True` cannot work here: {reason}. Train with DDP "
                              "(TRL's multi_gpu.yaml) or DeepSpeed ZeRO-1/2 to share weights, or set it to False "
                              "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
+    if not installed:
+        return
     from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE, unsupported_reason
 
     reason = unsupported_reason(VLLM_ENGINE)

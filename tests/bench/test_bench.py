@@ -15,7 +15,7 @@ import torch
 
 from trl_turbo.bench import __main__ as cli
 from trl_turbo.bench import e2e, loss, results, train
-from trl_turbo.bench.shapes import LOSS_PRESETS, SHAPES, build_config
+from trl_turbo.planning.shapes import LOSS_PRESETS, SHAPES, build_config
 
 TOP_KEYS = {"benchmark", "commit", "dirty", "date", "gpu", "versions", "command", "config", "rows"}
 VERSION_KEYS = {"torch", "transformers", "trl", "peft", "accelerate", "triton", "trl_turbo", "cuda"}

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from .results import DEFAULT_RESULTS_DIR, GIB
-from .shapes import QUANTIZATIONS, SHAPES, build_config
+from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 
 # What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
 # KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the

@@ -33,7 +33,7 @@ from . import (
     synchronize,
 )
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
-from .shapes import LOSS_PRESETS
+from ..planning.shapes import LOSS_PRESETS
 
 IMPLS = ("trl", "liger", "turbo")
 EPSILON = 0.2  # GRPOConfig's default epsilon (epsilon_high defaults to it)

@@ -36,7 +36,7 @@ from . import (
 )
 from ..patches import trl_internals
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
-from .shapes import QUANTIZATIONS, SHAPES, build_config
+from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 
 # Config each variant adds to GRPOConfig; stock runs first, with trl_turbo unpatched. Each trainer built on the
 # shared model first removes what an earlier one installed, so every variant runs exactly its own features.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trl_turbo.bench.shapes import QUANTIZATIONS as BENCH_QUANTIZATIONS
+from trl_turbo.planning.shapes import QUANTIZATIONS as BENCH_QUANTIZATIONS
 from trl_turbo.testing.tokenizer import EOS_ID, VOCAB, build_tokenizer
 from trl_turbo.vllm.engine_plan import engine_state
 from trl_turbo.vllm.quantized import is_packed_4bit

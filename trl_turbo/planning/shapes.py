@@ -1,4 +1,4 @@
-"""Named model shapes for the benchmarks.
+"""Named model shapes for the benchmarks and `trl-turbo plan --model`.
 
 Design decision: a shape is a plain ``transformers`` config dict (``model_type`` plus sizes), copied from the public
 ``config.json`` of the real checkpoint, so a benchmark builds a randomly initialised model with exactly the real

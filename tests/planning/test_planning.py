@@ -1,0 +1,127 @@
+"""The memory forecast (`trl_turbo.planning`, `trl-turbo plan`): against every committed GPU measurement of the
+current code, and its command line on the shipped config. No GPU and no weights: models are counted on the meta
+device."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from trl_turbo.cli import main as cli_main
+from trl_turbo.planning import plan
+from trl_turbo.planning.model_spec import load_config, model_spec
+from trl_turbo.planning.run import forecast_run
+from trl_turbo.planning.training import MicroBatch, forecast_training
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+EXAMPLE = ROOT / "examples" / "grpo_llama8b.yaml"
+# Rows measured with the memory plan as it is now (8192-token group floor, standby ceiling: 2026-11-25 01:00 on);
+# earlier rows measured other plans.
+CURRENT_FROM = "2026-11-25T01:00"
+CAPACITY = {"NVIDIA H200": 143771 * 2**20, "NVIDIA H100 80GB HBM3": 81559 * 2**20}
+TOLERANCE = 0.10
+MODES = {"stock": "off", "turbo": "auto", "turbo-min": "min"}
+
+
+def _results(kind: str) -> list[dict]:
+    files = [json.loads(path.read_text()) for path in sorted(RESULTS.glob(f"{kind}-*.json"))]
+    return [result for result in files if result["date"] >= CURRENT_FROM]
+
+
+def _spec(config: dict):
+    params = dict(config["model_config"])
+    return model_spec(AutoConfig.for_model(params.pop("model_type"), **params), config["lora"]["r"])
+
+
+def test_training_peaks_match_every_current_bench_train_row():
+    checked, misses = 0, []
+    for result in _results("train"):
+        spec = _spec(result["config"])
+        for row in result["rows"]:
+            if not row["ok"] or row["variant"] not in MODES:
+                continue
+            quantized = row["quantization"] == "nf4"
+            forecast = forecast_training(
+                spec, MicroBatch(row["micro_batch"], row["prompt_len"] + row["completion_len"]),
+                mode=MODES[row["variant"]], capacity_bytes=CAPACITY[result["gpu"]],
+                static_bytes=spec.weight_bytes(quantized) + 4 * spec.lora_parameters, quantized_4bit=quantized)
+            error = forecast.peak_bytes / 2**30 / row["peak_gib"] - 1
+            checked += 1
+            if abs(error) > TOLERANCE:
+                misses.append((result["date"], row["variant"], row["completion_len"], f"{error:+.1%}"))
+    assert checked >= 25, checked  # llama 16-bit and 4-bit, gemma2, both GPUs, all three modes
+    assert not misses, misses
+
+
+def test_run_peaks_and_kv_cache_match_the_current_e2e_rows():
+    checked = 0
+    for result in _results("e2e"):
+        config = result["config"]
+        spec = _spec(config)
+        sequences = config["prompts"] * config["generations"]
+        for row in result["rows"]:
+            if not row["ok"] or row["launch"] != "1gpu":
+                continue
+            fields = {**config["common_config"], **config["variant_config"][row["variant"]]}
+            args = types.SimpleNamespace(use_vllm=True, per_device_train_batch_size=config["micro_batch"],
+                                         steps_per_generation=sequences // config["micro_batch"],
+                                         max_completion_length=config["completion_len"], **fields)
+            forecast = forecast_run(args, spec, capacity_bytes=CAPACITY[result["gpu"]],
+                                    quantized_4bit=config["quantization"] == "nf4",
+                                    prompt_tokens=config["prompt_len"], stock=row["variant"] == "stock")
+            kv = forecast.phases[0].parts["KV cache"] / 2**30
+            assert kv == pytest.approx(row["vllm_pool_kv_cache_gib"], rel=0.05), (row["variant"], kv)
+            peak = forecast.peak_bytes / 2**30
+            if row["variant"] == "turbo-fp8":  # an upper bound: the parked base weights are not counted on
+                assert peak >= row["peak_gib"], (peak, row["peak_gib"])
+            else:
+                assert peak == pytest.approx(row["peak_gib"], rel=TOLERANCE), (row["variant"], peak)
+            checked += 1
+    assert checked >= 6, checked
+
+
+def test_auto_picks_another_plan_on_a_smaller_gpu():
+    spec = model_spec(load_config("llama-3.1-8b"), 16)
+    batch = MicroBatch(8, 256 + 2048)
+    big, small = (forecast_training(spec, batch, mode="auto", capacity_bytes=capacity,
+                                    static_bytes=spec.weight_bytes(False) + 4 * spec.lora_parameters)
+                  for capacity in CAPACITY.values())
+    assert (big.groups, big.plan.kept_layers) == (1, 32)  # the H200 keeps every layer in one forward
+    assert small.groups > 1 or small.plan.kept_layers < 32
+    assert small.peak_bytes < CAPACITY["NVIDIA H100 80GB HBM3"] < big.peak_bytes
+
+
+def test_cli_prints_the_phases_of_the_shipped_config(capsys):
+    assert cli_main(["plan", "--config", str(EXAMPLE), "--model", "llama-3.1-8b", "--gpu-gib", "80",
+                     "--host-gib", "64"]) == 0
+    out = capsys.readouterr().out
+    for phase in ("start-up", "generation", "training", "peak"):
+        assert phase in out
+    assert "fits                       yes" in out and "longest completion that fits" in out
+    assert cli_main(["plan", "--config", str(EXAMPLE), "--model", "llama-3.1-8b", "--gpu-gib", "20",
+                     "--host-gib", "64"]) == 1
+    assert "NO (+" in capsys.readouterr().out
+
+
+def test_cli_refuses_bad_input_with_the_reason(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text() + "turbo_memry_plan: min\n")
+    assert cli_main(["plan", "--config", str(bad), "--model", "llama-3.1-8b", "--gpu-gib", "80"]) == 2
+    assert "turbo_memry_plan" in capsys.readouterr().err
+    bad.write_text(EXAMPLE.read_text() + "turbo_memory_plan: fastest\n")
+    assert cli_main(["plan", "--config", str(bad), "--model", "llama-3.1-8b", "--gpu-gib", "80"]) == 2
+    assert "turbo_memory_plan='fastest'" in capsys.readouterr().err
+
+
+def test_longer_completions_fit_on_larger_devices_and_with_trl_turbo():
+    values = {"per_device_train_batch_size": 8, "max_completion_length": 1024, "use_peft": True, "lora_r": 16}
+    small = plan(values, "llama-3.1-8b", gpu_gib=40, host_gib=64)
+    large = plan(values, "llama-3.1-8b", gpu_gib=80, host_gib=64)
+    assert small.stock_longest < large.stock_longest
+    assert small.stock_longest < small.turbo_longest <= large.turbo_longest
+    assert small.turbo_min_peak <= small.turbo.peak_bytes

@@ -1,0 +1,69 @@
+"""The text `trl-turbo plan` prints: one table of phases for trl_turbo and stock TRL, the training plan, the
+longest completion that fits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..offload.memory_plan import describe_plan
+
+_GIB = 2**30
+
+
+def _gib(value: int) -> str:
+    return f"{value / _GIB:7.1f}"
+
+
+def render(plan: Any) -> str:
+    spec, turbo, stock, args = plan.spec, plan.turbo, plan.stock, plan.args
+    adapter = f"{spec.lora_parameters / 1e6:.1f}M trainable (LoRA)" if spec.lora_parameters else "full fine-tuning"
+    lines = [
+        f"trl-turbo plan: {plan.model} ({spec.model_type}, {spec.parameters / 1e9:.2f}B parameters, "
+        f"{'4-bit' if plan.quantized_4bit else '16-bit'}, {adapter})",
+        f"device {turbo.capacity_bytes / _GIB:.1f} GiB, host {(turbo.host_capacity_bytes or 0) / _GIB:.1f} GiB; "
+        f"micro-batch {args.per_device_train_batch_size} x ({turbo.prompt_tokens} prompt + "
+        f"{turbo.completion_tokens} completion) tokens; turbo_memory_plan={getattr(args, 'turbo_memory_plan', 'auto')}",
+        "",
+        f"{'phase':<12}{'trl_turbo device':>18}{'host':>9}{'stock TRL device':>20}{'host':>9}   (GiB)",
+    ]
+    stock_phases = {phase.name: phase for phase in stock.phases}
+    for phase in turbo.phases:
+        other = stock_phases.get(phase.name)
+        lines.append(f"{phase.name:<12}{_gib(phase.device_bytes):>18}{_gib(phase.host_bytes):>9}"
+                     f"{_gib(other.device_bytes) if other else '':>20}{_gib(other.host_bytes) if other else '':>9}")
+    lines.append(f"{'peak':<12}{_gib(turbo.peak_bytes):>18}{'':>9}{_gib(stock.peak_bytes):>20}")
+    lines.append(f"{'fits':<12}{_verdict(turbo):>18}{'':>9}{_verdict(stock):>20}")
+    training = turbo.training
+    lines.append("")
+    if training.plan is not None:
+        described = describe_plan(training.plan).strip().replace("first training micro-batch", "steady state")
+        lines.append(f"training: {training.groups} forward(s) of {training.group_sequences} sequence(s) per "
+                     f"micro-batch; {described}")
+        lines.append(f"the least trl_turbo needs (turbo_memory_plan='min'): {plan.turbo_min_peak / _GIB:.1f} GiB; "
+                     "'auto' spends free memory on speed")
+    elif training.mode == "min":
+        lines.append(f"training: {training.groups} forward(s) of {training.group_sequences} sequence(s) per "
+                     "micro-batch; every layer offloads its checkpoint (the most frugal plan)")
+    else:
+        lines.append("training: stock TRL's (turbo_memory_plan='off')")
+    lines.append(f"longest completion that fits: trl_turbo {_tokens(plan.turbo_longest)}, "
+                 f"stock TRL {_tokens(plan.stock_longest)}")
+    context = spec.max_position_embeddings
+    if context and turbo.prompt_tokens + turbo.completion_tokens > context:
+        lines.append(f"note: {turbo.prompt_tokens} + {turbo.completion_tokens} tokens exceed the model's context "
+                     f"({context:,})")
+    for forecast in (turbo, stock):
+        if forecast.error:
+            lines.append(f"{forecast.variant}: {forecast.error}")
+    return "\n".join(lines)
+
+
+def _verdict(forecast: Any) -> str:
+    if forecast.fits:
+        return "yes"
+    over = forecast.peak_bytes - forecast.capacity_bytes
+    return f"NO (+{over / _GIB:.1f})" if over > 0 else "NO"
+
+
+def _tokens(value: int | None) -> str:
+    return "none" if value is None else f"{value:,} tokens"

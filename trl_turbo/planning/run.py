@@ -1,0 +1,190 @@
+"""A GRPO run's device and host memory per phase (start-up, generation, training), for stock TRL and trl_turbo.
+
+Design decision: the forecast composes the pieces the run itself uses: the training phase from `planning.training`
+(the memory planner's own rules), vLLM's KV cache from `vllm.kv_budget` (the automatic budget trl_turbo passes to
+vLLM) or from TRL's `vllm_gpu_memory_utilization`, and the weights from the model counted on the meta device. It
+reads the same GRPOConfig the run reads, so "what would this config do on that GPU" has one answer per field.
+What it does not model: vLLM's CUDA graphs and compile caches (outside torch's allocator), other processes on the
+device, and DeepSpeed/FSDP sharding (one process, one device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import memory_plan
+from ..families import SHARED_WEIGHT_MODEL_TYPES
+from ..vllm.kv_budget import (
+    auto_kv_cache_bytes,
+    expected_seq_len,
+    kv_bytes_per_token,
+    sampling_workspace_bytes,
+    useful_kv_cache_bytes,
+)
+from .model_spec import ModelSpec
+from .training import CONTEXT_BYTES, MicroBatch, TrainingForecast, forecast_training
+
+# Adam's two fp32 moments per trainable parameter (the gradients are part of the training phase).
+OPTIMIZER_BYTES_PER_PARAM = 8
+# Device memory vLLM's profiling run keeps out of its KV pool (activations of one scheduler step), measured with
+# Llama-3.1-8B on the H100 and the H200 (1.17 GiB on both).
+VLLM_PROFILE_BYTES = int(1.17 * 2**30)
+FP8_BYTES_PER_WEIGHT = 1
+COMPLETION_STEP = 256
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    device_bytes: int
+    host_bytes: int
+    parts: dict[str, int] = field(default_factory=dict)  # what the device bytes are made of
+
+
+@dataclass(frozen=True)
+class RunForecast:
+    variant: str  # "turbo" or "stock"
+    capacity_bytes: int
+    host_capacity_bytes: int | None
+    completion_tokens: int
+    prompt_tokens: int
+    phases: tuple[Phase, ...]
+    training: TrainingForecast
+    error: str | None = None  # why the run cannot start (vLLM's KV cache does not fit)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(phase.device_bytes for phase in self.phases)
+
+    @property
+    def fits(self) -> bool:
+        host_ok = self.host_capacity_bytes is None or all(p.host_bytes <= self.host_capacity_bytes for p in self.phases)
+        return self.error is None and self.peak_bytes <= self.capacity_bytes and host_ok
+
+
+def _field(args: Any, name: str, default: Any) -> Any:
+    return getattr(args, name, default)
+
+
+def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
+                 quantized_4bit: bool = False, prompt_tokens: int = 256, completion_tokens: int | None = None,
+                 stock: bool = False) -> RunForecast:
+    """The run `args` (a GRPOConfig) describes, on one device of `capacity_bytes`; `stock=True`: as stock TRL would
+    run it (every trl_turbo field off)."""
+    completion = completion_tokens or args.max_completion_length
+    batch = MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion)
+    weights = spec.weight_bytes(quantized_4bit)
+    adapter = 4 * spec.lora_parameters
+    trainable = spec.lora_parameters if spec.lora_parameters else spec.parameters
+    if not spec.lora_parameters:  # full fine-tuning: fp32 master weights are not modelled; the 16-bit ones train
+        adapter = 0
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
+    static = weights + adapter
+    colocated = bool(_field(args, "use_vllm", False)) and _field(args, "vllm_mode", "colocate") == "colocate"
+    plan = "off" if stock else memory_plan(args)
+    shared = not stock and colocated and _field(args, "turbo_vllm_shared_weights", False) \
+        and spec.model_type in SHARED_WEIGHT_MODEL_TYPES
+    standby = not stock and colocated and _field(args, "turbo_vllm_standby", False)
+    sampling = _field(args, "turbo_vllm_sampling", "auto")
+    fp8 = shared and sampling == "fp8"
+    error = None
+    phases: list[Phase] = []
+    engine_weights = engine_kv = engine_training = 0
+    host_engine = 0
+    if colocated:
+        if shared:
+            # fp8 sampling: an e4m3 copy of the linear weights beside the 16-bit ones (an upper bound: the base may be
+            # parked on the host while the copy samples, which this forecast does not count on)
+            engine_weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters) if fp8 else 0
+        else:
+            engine_weights = weights
+        utilization = _field(args, "vllm_gpu_memory_utilization", 0.3)
+        kv_dtype_bytes = 1 if str(_field(args, "turbo_vllm_kv_cache_dtype", "auto")).startswith("fp8") else 2
+        if (shared or standby) and utilization == 0.3:
+            per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
+                                           dtype_bytes=kv_dtype_bytes)
+            max_model_len = _field(args, "vllm_max_model_length", None)
+            useful = useful_kv_cache_bytes(
+                max_num_seqs=args.per_device_train_batch_size * _field(args, "steps_per_generation", 1) or 256,
+                seq_len=expected_seq_len(max_model_length=max_model_len, max_completion_length=completion),
+                max_model_len=max_model_len or spec.max_position_embeddings, per_token_bytes=per_token)
+            try:
+                engine_kv = auto_kv_cache_bytes(
+                    free_bytes=capacity_bytes - CONTEXT_BYTES - static, total_bytes=capacity_bytes,
+                    vllm_weight_bytes=engine_weights, trainable_params=trainable,
+                    sampling_workspace_bytes=sampling_workspace_bytes(4096, spec.vocab_size, spec.hidden_size),
+                    useful_bytes=useful)
+            except ValueError as exc:
+                error = str(exc)
+        else:
+            engine_kv = max(0, int(utilization * capacity_bytes) - engine_weights - VLLM_PROFILE_BYTES)
+            if engine_kv == 0:
+                error = (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to its "
+                         f"{engine_weights / 2**30:.1f} GiB of weights")
+        engine = engine_weights + engine_kv + VLLM_PROFILE_BYTES
+        phases.append(Phase("start-up", static + engine, 0,
+                            {"weights": weights, "adapter": adapter, "vLLM weights": engine_weights,
+                             "KV cache": engine_kv, "vLLM workspace": VLLM_PROFILE_BYTES}))
+        merged_host = 2 * spec.layer_linear_parameters if (shared and sampling in ("auto", "merged")
+                                                          and not quantized_4bit) else 0
+        phases.append(Phase("generation", static + optimizer + engine, merged_host,
+                            {"weights": weights, "adapter": adapter, "optimizer": optimizer,
+                             "vLLM weights": engine_weights, "KV cache": engine_kv,
+                             "vLLM workspace": VLLM_PROFILE_BYTES}))
+        if standby:
+            engine_training = engine_weights if not fp8 else 0
+        elif _field(args, "vllm_enable_sleep_mode", False):
+            host_engine = engine_weights  # level-1 sleep: weights to host, KV cache dropped
+        else:
+            engine_training = engine
+    ceiling = phases[-1].device_bytes if (standby and phases) else None
+    training = forecast_training(
+        spec, batch, mode=plan, capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
+        quantized_4bit=quantized_4bit,
+        forward_token_budget=_field(args, "turbo_forward_token_budget", 32768) if plan != "off" else None,
+        tiled_mlp_tokens=_field(args, "turbo_tiled_mlp_tokens", 16384) if _field(args, "turbo_tiled_mlp", True)
+        else batch.sequences * batch.sequence_tokens,
+        gradient_checkpointing=bool(_field(args, "gradient_checkpointing", True)), ceiling_bytes=ceiling)
+    phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
+                        {"weights": weights, "adapter": adapter, "optimizer": optimizer,
+                         "vLLM resident": engine_training,
+                         "activations": training.peak_bytes - static - optimizer - engine_training}))
+    return RunForecast("stock" if stock else "turbo", capacity_bytes, host_capacity_bytes, completion,
+                       prompt_tokens, tuple(phases), training, error)
+
+
+def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
+                       quantized_4bit: bool = False, prompt_tokens: int = 256, stock: bool = False) -> int | None:
+    """The longest completion (a multiple of 256 tokens, within the model's context) whose run fits; for "auto",
+    judged by its most frugal plan, to which it falls back."""
+    frugal = args
+    if not stock and memory_plan(args) == "auto":
+        frugal = Override(args, turbo_memory_plan="min")
+
+    def fits(tokens: int) -> bool:
+        return forecast_run(frugal, spec, capacity_bytes=capacity_bytes, host_capacity_bytes=host_capacity_bytes,
+                            quantized_4bit=quantized_4bit, prompt_tokens=prompt_tokens, completion_tokens=tokens,
+                            stock=stock).fits
+
+    limit = max(COMPLETION_STEP, (spec.max_position_embeddings or 131072) - prompt_tokens) // COMPLETION_STEP
+    if not fits(COMPLETION_STEP):
+        return None
+    low, high = 1, limit  # fits(low * step) holds
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle * COMPLETION_STEP):
+            low = middle
+        else:
+            high = middle - 1
+    return low * COMPLETION_STEP
+
+
+class Override:
+    """`args` with some fields replaced (a GRPOConfig is not copied: its __post_init__ validates and warns)."""
+
+    def __init__(self, args: Any, **fields: Any) -> None:
+        self._args, self._fields = args, fields
+
+    def __getattr__(self, name: str) -> Any:
+        return self._fields[name] if name in self._fields else getattr(self._args, name)

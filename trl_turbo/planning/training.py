@@ -1,0 +1,133 @@
+"""The training phase's device memory, predicted for a micro-batch shape: stock TRL's and each memory plan's.
+
+Design decision: an activation model in units of hidden-size tensors per token, with the automatic plan's decisions
+taken by the planner's own code (`offload.memory_plan.plan_layers`, the same margin, reserve and group rules), so
+the forecast and the run cannot disagree on policy, only on bytes. Per token, one decoder layer (bf16) saves:
+- around its attention: `NORM_STATES` hidden-size tensors per hidden-size norm (the norm's input, its fp32
+  statistics, the residual branch), the query and attention output (2 x query width) and key and value;
+- around its gated MLP: four intermediate-size tensors (gate, up, the activation and the product).
+Linear modules stored in 4 bits save no copy of their input (bitsandbytes recomputes from the weight), which
+removes one hidden state per shared input and the attention-output and MLP-product inputs.
+A layer whose activations are kept (no checkpoint) also holds `KEPT_EXTRA_STATES` more (its input and its lean
+norms' fp32 output). Recomputing a checkpointed layer in the backward pass takes twice its saved activations (the
+activations and their gradients), over one MLP tile only where the MLP is tiled.
+Calibrated on the Llama-3.1-8B and Gemma-2-9B bench shapes (H200): NORM_STATES and KEPT_EXTRA_STATES are the only
+fitted numbers; `tests/planning` checks every committed bench-train row of the current code against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..offload.memory_plan import HEAD_HIDDEN_STATES, MARGIN_FLOOR_BYTES, MARGIN_FRACTION, LayerPlan, plan_layers
+from .model_spec import ModelSpec
+
+NORM_STATES = 2.25
+KEPT_EXTRA_STATES = 4
+ACTIVATION_BYTES = 2  # bf16
+# Device memory outside torch's allocator (CUDA context, cuBLAS workspaces): not free for the planner.
+CONTEXT_BYTES = 512 * 2**20
+# What the automatic plan groups at least (`grpo.sequence_groups.MIN_PLANNED_GROUP_TOKENS`; importing it would make
+# this module import the trainer-facing feature code).
+MIN_PLANNED_GROUP_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    sequences: int
+    sequence_tokens: int  # prompt + completion, padded
+
+
+@dataclass(frozen=True)
+class TrainingForecast:
+    """`peak_bytes`: the micro-step's device peak (weights, adapter and its gradients, activations; the optimizer
+    states are added by the caller). `plan`: the layer plan of the steady-state forwards ("auto"); `first_plan`: of
+    the first micro-batch, before any re-grouping; `group_sequences`: sequences per forward."""
+
+    mode: str
+    peak_bytes: int
+    first_peak_bytes: int
+    group_sequences: int
+    groups: int
+    plan: LayerPlan | None
+    host_bytes: int  # offloaded checkpoints in the pinned pool
+
+
+def layer_states(spec: ModelSpec, quantized_4bit: bool) -> tuple[float, float]:
+    """(attention part, MLP part) of one layer's saved activations, in hidden-size tensors per token."""
+    hidden = spec.hidden_size
+    attention = (NORM_STATES * spec.norms_per_layer * hidden + 2 * spec.query_width + 2 * spec.key_value_width)
+    mlp = 4 * spec.intermediate_size
+    if quantized_4bit:
+        attention -= hidden + spec.query_width
+        mlp -= hidden + spec.intermediate_size
+    return attention / hidden, mlp / hidden
+
+
+def token_groups(batch: MicroBatch, budget: int | None) -> tuple[int, int]:
+    """(sequences per group, groups) of `grpo.sequence_groups` for a token budget (None: one forward)."""
+    tokens = batch.sequences * batch.sequence_tokens
+    if budget is None or tokens <= budget:
+        return batch.sequences, 1
+    per_group = max(1, budget // batch.sequence_tokens)
+    count = min(batch.sequences, -(-batch.sequences // per_group))
+    return -(-batch.sequences // count), count
+
+
+def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity_bytes: int, static_bytes: int,
+                      quantized_4bit: bool = False, forward_token_budget: int | None = 32768,
+                      tiled_mlp_tokens: int = 16384, gradient_checkpointing: bool = True,
+                      ceiling_bytes: int | None = None) -> TrainingForecast:
+    """The micro-step peak under `mode` ("off": stock TRL, "min", "auto") for a device of `capacity_bytes` holding
+    `static_bytes` (weights and adapter) when training starts; `ceiling_bytes` caps "auto" (standby's generation
+    footprint)."""
+    unit = spec.hidden_size * ACTIVATION_BYTES  # one hidden-size tensor per token
+    attention, mlp = layer_states(spec, quantized_4bit)
+    adapter_grads = 4 * spec.lora_parameters
+    if mode == "off":
+        tokens = batch.sequences * batch.sequence_tokens
+        per_token = (spec.layers + 2 * (attention + mlp)) if gradient_checkpointing else spec.layers * (attention + mlp)
+        peak = static_bytes + adapter_grads + int(per_token * unit * tokens)
+        return TrainingForecast(mode, peak, peak, batch.sequences, 1, None, 0)
+
+    rows, groups = token_groups(batch, forward_token_budget)
+    tokens = rows * batch.sequence_tokens
+    recompute = int(2 * (attention * tokens + mlp * min(tokens, tiled_mlp_tokens)) * unit)
+    input_bytes = tokens * unit
+    if mode == "min":
+        peak = static_bytes + adapter_grads + 2 * input_bytes + recompute
+        host = (spec.layers - 1) * input_bytes
+        return TrainingForecast(mode, peak, peak, rows, groups, None, host)
+
+    # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
+    kept_per_token = (attention + mlp + KEPT_EXTRA_STATES) * unit
+    allocated = static_bytes + adapter_grads
+    free = capacity_bytes - CONTEXT_BYTES - allocated
+    if ceiling_bytes is not None:
+        free = min(free, ceiling_bytes - CONTEXT_BYTES - allocated)
+    margin = max(int(MARGIN_FRACTION * capacity_bytes), MARGIN_FLOOR_BYTES)
+
+    def plan_for(group_tokens: int) -> LayerPlan:
+        layer = int(kept_per_token * group_tokens)
+        head = HEAD_HIDDEN_STATES * group_tokens * spec.hidden_size * 4
+        first_kept = free - margin - head - 2 * layer >= 0
+        first = layer if first_kept else 0
+        available = free - first - (layer + head) - margin
+        plan = plan_layers(spec.layers - 1, layer, group_tokens * unit, available, True,
+                           allocated_bytes=allocated + first + layer + head)
+        return LayerPlan(plan.offloaded, plan.on_device, plan.kept, layer, plan.input_bytes, available,
+                         plan.predicted_peak_bytes, group_tokens, free - margin, first_kept)
+
+    first_plan = plan_for(tokens)
+    plan, steady_rows, steady_groups = first_plan, rows, groups
+    if first_plan.kept_layers < spec.layers:  # the planner re-groups so every layer keeps its activations
+        head = HEAD_HIDDEN_STATES * tokens * spec.hidden_size * 4
+        per_token = (spec.layers * first_plan.layer_bytes + head) / tokens
+        group_budget = int(first_plan.spendable_bytes / per_token)
+        if group_budget >= max(batch.sequence_tokens, MIN_PLANNED_GROUP_TOKENS):
+            budget = min(forward_token_budget or group_budget, group_budget)
+            steady_rows, steady_groups = token_groups(batch, budget)
+            plan = plan_for(steady_rows * batch.sequence_tokens)
+    host = plan.offloaded * plan.input_bytes
+    return TrainingForecast("auto", plan.predicted_peak_bytes, first_plan.predicted_peak_bytes, steady_rows,
+                            steady_groups, plan, host)

@@ -457,6 +457,7 @@ def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
         str(tmp_path), use_cpu=False, bf16=True, gradient_checkpointing=True, max_steps=200,
         per_device_train_batch_size=8, num_generations=8, max_completion_length=64, turbo_tiled_mlp_tokens=128,
         turbo_forward_token_budget=256, turbo_offload_host_budget_gib=4.0,
+        turbo_memory_plan="min",  # every layer offloads: "auto" would keep this small model's activations
     )
     trainer = parity.build_trainer(config, peft=True, model_kwargs={"tie_word_embeddings": False,
                                                                     "hidden_size": 256, "layers": 4})

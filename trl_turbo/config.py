@@ -437,6 +437,15 @@ def _validate_liger(args: Any) -> None:
         raise ValueError(reason)
 
 
+_noticed: set[str] = set()
+
+
+def _notice_once(message: str) -> None:
+    if message not in _noticed:
+        _noticed.add(message)
+        warnings.warn(f"trl_turbo: {message}", UserWarning, stacklevel=4)
+
+
 def _validate_vllm(args: Any, installed: bool = True) -> None:
     if args.turbo_vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
         raise ValueError(f"`turbo_vllm_kv_cache_dtype={args.turbo_vllm_kv_cache_dtype!r}` is not one of "
@@ -480,12 +489,17 @@ def _validate_vllm(args: Any, installed: bool = True) -> None:
                              "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
     if not installed:
         return
-    from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE, unsupported_reason
+    from .versions import SUPPORTED_OPTIONAL, unsupported_reason
+    from .vllm_contract import installed_verdict
 
-    reason = unsupported_reason(VLLM_ENGINE)
-    if reason is not None:
-        raise ValueError(f"{wanted} need vLLM in the range trl_turbo's engine code is tested with: {reason}. "
-                         "Install it with `pip install 'trl-turbo[vllm]'`, or set them off.")
+    engine = installed_verdict()
+    if engine.error is not None:
+        raise ValueError(f"{wanted} cannot run on this vLLM: {engine.error}. Install a supported vLLM "
+                         "(`pip install 'trl-turbo[vllm]'`), or set them off.")
+    if engine.notice is not None:
+        _notice_once(engine.notice)
+        if args.turbo_rollout_check == "warn":
+            args.turbo_rollout_check = "error"
     reason = unsupported_reason({"peft": SUPPORTED_OPTIONAL["peft"]}) if args.turbo_vllm_shared_weights else None
     if reason is not None:
         raise ValueError(f"`turbo_vllm_shared_weights=True` reads the PEFT adapter's layers, tested with peft in "

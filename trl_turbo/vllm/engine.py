@@ -1,4 +1,5 @@
-"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24; range in `versions.VLLM_ENGINE`).
+"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24, `versions.VLLM_ENGINE`; what it relies on is
+listed, for checking other versions' sources, in `trl_turbo.vllm_contract`).
 
 The mechanisms, each on vLLM's own objects rather than re-implemented:
 - Weights. The model module comes from the worker (`worker.get_model()`, which unwraps CUDA-graph wrappers); HF

@@ -1,0 +1,200 @@
+"""The vLLM contract (`trl_turbo.vllm_contract`): the static checker on small fake vLLM trees (CI downloads
+nothing), the verdict on installed versions (GPU-verified, contract-checked, broken, outside TRL's range), the
+config-time behaviour it drives, and, where `scripts/fetch_vllm_sources.py` has filled its cache, the real sources."""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from trl_turbo import vllm_contract
+from trl_turbo.vllm_contract import CONTRACT, check_sources, verdict
+
+# vLLM 0.24's shape of everything the contract names, reduced to signatures and the lines the checks read.
+FAKE_0_24 = {
+    "lora/worker_manager.py": """
+        class WorkerLoRAManager:
+            def _load_adapter(self, lora_request):
+                model = self._adapter_manager.model
+                return self._lora_model_cls.from_local_checkpoint(weights_mapper=model.hf_to_vllm_mapper)
+    """,
+    "lora/lora_model.py": """
+        class LoRAModel:
+            @classmethod
+            def from_lora_tensors(cls, lora_model_id, tensors, peft_helper, device="cuda", dtype=None,
+                                  model_vocab_size=None, weights_mapper=None, skip_prefixes=None):
+                pass
+    """,
+    "lora/peft_helper.py": """
+        class PEFTHelper:
+            @classmethod
+            def from_dict(cls, config_dict):
+                pass
+            def validate_legal(self, lora_config):
+                pass
+    """,
+    "lora/request.py": """
+        class LoRARequest:
+            lora_name: str
+            lora_int_id: int
+            lora_path: str = ""
+    """,
+    "device_allocator/cumem.py": """
+        def create_and_map(allocation_handle):
+            pass
+        def unmap_and_release(allocation_handle):
+            pass
+        class CuMemAllocator:
+            @staticmethod
+            def get_instance():
+                pass
+            def wake_up(self, tags=None):
+                for ptr, data in self.pointer_to_data.items():
+                    if tags is None or data.tag in tags:
+                        create_and_map(data.handle)
+    """,
+    "v1/worker/gpu_model_runner.py": """
+        class GPUModelRunner:
+            def post_kv_cache_wake_up(self):
+                pass
+    """,
+    "entrypoints/llm.py": """
+        class LLM:
+            def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None):
+                pass
+            def reset_prefix_cache(self, reset_running_requests=False):
+                pass
+    """,
+    "model_executor/model_loader/bitsandbytes_loader.py": """
+        class BitsAndBytesModelLoader:
+            def _get_quantized_weights_iterator(self, model_name_or_path, revision):
+                pass
+    """,
+    "model_executor/layers/quantization/online/fp8.py": """
+        class Fp8PerTensorOnlineLinearMethod:
+            pass
+    """,
+    "model_executor/layers/quantization/fp8.py": """
+        class Fp8Config:
+            def __init__(self, is_checkpoint_fp8_serialized=False):
+                self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized
+    """,
+}
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    package = root / "vllm"
+    for relative, text in files.items():
+        path = package / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return package
+
+
+def test_the_fake_0_24_tree_keeps_the_contract_and_covers_every_requirement(tmp_path):
+    assert check_sources(_tree(tmp_path, FAKE_0_24)) == []
+    assert {requirement.path for requirement in CONTRACT} == set(FAKE_0_24)
+
+
+@pytest.mark.parametrize("path, old, new, expected", [
+    # 0.25-0.28: vLLM's loader maps adapter names itself (a raw mapper would merge q/k/v into one entry)
+    ("lora/worker_manager.py", "model.hf_to_vllm_mapper", "model.hf_to_vllm_mapper.get_unstacked_mapper()",
+     "now uses get_unstacked_mapper"),
+    # 0.25+: wake-up skips allocations not marked asleep (standby's own unmapping never marks them)
+    ("device_allocator/cumem.py", "if tags is None or data.tag in tags:",
+     "if data.is_asleep and (tags is None or data.tag in tags):", "now uses is_asleep"),
+    # 0.29+: the runner's KV wake-up hook is gone
+    ("v1/worker/gpu_model_runner.py", "def post_kv_cache_wake_up(self):", "def other(self):",
+     "post_kv_cache_wake_up is missing"),
+    # a parameter trl_turbo passes, renamed
+    ("lora/lora_model.py", "weights_mapper=None", "mapper=None", "no longer takes weights_mapper"),
+    # 0.31: online fp8 under quantization="fp8" is refused with a pointer to fp8_per_tensor
+    ("model_executor/layers/quantization/fp8.py", "self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized",
+     "raise ValueError('use --quantization fp8_per_tensor')", "now uses fp8_per_tensor"),
+])
+def test_each_kind_of_break_is_named(tmp_path, path, old, new, expected):
+    files = dict(FAKE_0_24)
+    assert old in files[path]
+    files[path] = files[path].replace(old, new)
+    problems = check_sources(_tree(tmp_path, files))
+    assert len(problems) == 1 and expected in problems[0] and path in problems[0], problems
+
+
+def test_a_removed_file_and_open_keyword_arguments(tmp_path):
+    files = {k: v for k, v in FAKE_0_24.items() if "bitsandbytes" not in k}  # 0.28+: bitsandbytes removed
+    files["lora/lora_model.py"] = """
+        class LoRAModel:
+            @classmethod
+            def from_lora_tensors(cls, lora_model_id, tensors, peft_helper, **kwargs):
+                pass
+    """  # **kwargs still accepts every name trl_turbo passes
+    problems = check_sources(_tree(tmp_path, files))
+    assert problems == ["model_executor/model_loader/bitsandbytes_loader.py is missing (shared 4-bit weights: the "
+                        "loader fed the training model's bytes)"]
+
+
+def test_verdicts(tmp_path):
+    good = _tree(tmp_path / "good", FAKE_0_24)
+    broken_files = dict(FAKE_0_24)
+    broken_files["v1/worker/gpu_model_runner.py"] = "class GPUModelRunner:\n    pass\n"
+    broken = _tree(tmp_path / "broken", broken_files)
+    assert verdict("0.24.0", None) == vllm_contract.Verdict("0.24.0")  # GPU-verified: no check, no notice
+    accepted = verdict("0.26.0", good)
+    assert accepted.error is None and "0.26.0 is not GPU-verified" in accepted.notice
+    refused = verdict("0.29.0", broken)
+    assert refused.notice is None and "vllm==0.29.0 changed" in refused.error
+    assert "post_kv_cache_wake_up is missing" in refused.error and ">=0.24.0,<0.25.0" in refused.error
+    assert "outside the range TRL 1.16 supports" in verdict("0.33.0", good).error
+    assert "not installed" in verdict(None, None).error
+
+
+def _grpo_config(**kwargs):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, use_vllm=True, vllm_mode="colocate",
+                      **kwargs)
+
+
+def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm_on_error(tmp_path, monkeypatch):
+    from trl_turbo import versions
+
+    good = _tree(tmp_path, FAKE_0_24)
+    monkeypatch.setattr(versions, "installed_version", lambda package: "0.26.0" if package == "vllm" else "0.21.0")
+    monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: good)
+    vllm_contract._installed_verdict.cache_clear()
+    monkeypatch.setattr("trl_turbo.config._noticed", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = _grpo_config(turbo_vllm_standby=True)
+        again = _grpo_config(turbo_vllm_standby=True, turbo_rollout_check="off")
+    notices = [w for w in caught if "not GPU-verified" in str(w.message)]
+    assert len(notices) == 1
+    assert config.turbo_rollout_check == "error" and again.turbo_rollout_check == "off"
+
+
+def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, monkeypatch):
+    from trl_turbo import versions
+
+    files = dict(FAKE_0_24)
+    files["lora/worker_manager.py"] = files["lora/worker_manager.py"].replace(
+        "model.hf_to_vllm_mapper", "model.hf_to_vllm_mapper.get_rename_mapper()")
+    broken = _tree(tmp_path, files)
+    monkeypatch.setattr(versions, "installed_version", lambda package: "0.30.0" if package == "vllm" else "0.21.0")
+    monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: broken)
+    vllm_contract._installed_verdict.cache_clear()
+    with pytest.raises(ValueError, match=r"vllm==0.30.0 changed .*get_rename_mapper.*>=0.24.0,<0.25.0"):
+        _grpo_config(turbo_vllm_shared_weights=True)
+    vllm_contract._installed_verdict.cache_clear()
+
+
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "vllm-sources"
+
+
+@pytest.mark.skipif(not (CACHE / "0.24.0" / "vllm").is_dir(), reason="run scripts/fetch_vllm_sources.py first")
+def test_real_sources_gpu_verified_version_keeps_the_contract():
+    assert check_sources(CACHE / "0.24.0" / "vllm") == []
+    for version in sorted(path.name for path in CACHE.iterdir() if (path / "vllm").is_dir()):
+        print(version, check_sources(CACHE / version / "vllm"))

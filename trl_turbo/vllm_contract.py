@@ -1,0 +1,187 @@
+"""What trl_turbo's engine code (`vllm/engine.py`, `vllm/engine_plan.py`) requires of vLLM, checked on vLLM's source,
+and whether the installed vLLM may run the engine features.
+
+Design decision: a version trl_turbo cannot run on the GPU is judged by reading its source, never by importing it:
+each requirement names a file of the `vllm` package, a class or function in it, the parameters trl_turbo passes, and
+what its body must or must not contain where trl_turbo relies on a behaviour, not only a name (vLLM's adapter loader
+must not re-map names itself, its allocator's wake-up must remap every allocation of a tag, its runner must offer the
+KV wake-up hook). `check_sources` parses the files with `ast`, so any version can be checked on any machine; the
+sources come from `scripts/fetch_vllm_sources.py` (a git-ignored cache), and CI checks the checker on small fake
+trees. The installed vLLM is judged the same way (its sources found without importing it): a GPU-verified version
+runs as is; another version within TRL's range runs when its sources keep the contract, with a one-line notice and
+the rollout alarm raised to "error"; any other gets a config-time error naming the version, what broke, and the
+supported versions.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from . import versions
+from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE
+
+
+@dataclass(frozen=True)
+class Requirement:
+    used_for: str  # what trl_turbo does with it
+    path: str  # relative to the `vllm` package directory
+    qualname: str  # "Class.method", "Class" or "function"
+    parameters: tuple[str, ...] = ()  # parameter names trl_turbo passes (the callable must accept them)
+    body_has: tuple[str, ...] = ()  # identifiers/attributes its body must use
+    body_lacks: tuple[str, ...] = ()  # identifiers, attributes or message fragments whose presence would change
+    # what trl_turbo relies on
+
+
+CONTRACT: tuple[Requirement, ...] = (
+    Requirement("adapters from tensors: the LoRA manager's loader, wrapped per engine", "lora/worker_manager.py",
+                "WorkerLoRAManager._load_adapter", ("lora_request",),
+                body_lacks=("get_unstacked_mapper", "get_rename_mapper")),
+    Requirement("adapters from tensors: vLLM's own constructor", "lora/lora_model.py", "LoRAModel.from_lora_tensors",
+                ("lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper",
+                 "skip_prefixes")),
+    Requirement("adapters from tensors: the adapter's config", "lora/peft_helper.py", "PEFTHelper.from_dict",
+                ("config_dict",)),
+    Requirement("adapters from tensors: the adapter's checks", "lora/peft_helper.py", "PEFTHelper.validate_legal",
+                ("lora_config",)),
+    Requirement("adapter requests", "lora/request.py", "LoRARequest", body_has=("lora_name", "lora_int_id")),
+    Requirement("KV standby: the allocator", "device_allocator/cumem.py", "CuMemAllocator.get_instance"),
+    Requirement("KV standby: remapping a tag's allocations", "device_allocator/cumem.py", "CuMemAllocator.wake_up",
+                ("tags",), body_lacks=("is_asleep",)),
+    Requirement("KV standby: unmapping", "device_allocator/cumem.py", "unmap_and_release", ("allocation_handle",)),
+    Requirement("KV standby: mapping back", "device_allocator/cumem.py", "create_and_map", ("allocation_handle",)),
+    Requirement("KV standby: what vLLM's wake-up redoes for the KV cache", "v1/worker/gpu_model_runner.py",
+                "GPUModelRunner.post_kv_cache_wake_up"),
+    Requirement("KV standby: the prefix cache after a wake-up", "entrypoints/llm.py", "LLM.reset_prefix_cache"),
+    Requirement("generation with a pushed adapter", "entrypoints/llm.py", "LLM.generate",
+                ("prompts", "sampling_params", "use_tqdm", "lora_request")),
+    Requirement("shared 4-bit weights: the loader fed the training model's bytes",
+                "model_executor/model_loader/bitsandbytes_loader.py",
+                "BitsAndBytesModelLoader._get_quantized_weights_iterator", ("model_name_or_path", "revision")),
+    Requirement("fp8 sampling: online per-tensor fp8 linear layers", "model_executor/layers/quantization/online/fp8.py",
+                "Fp8PerTensorOnlineLinearMethod"),
+    Requirement("fp8 sampling: `quantization='fp8'` without a checkpoint", "model_executor/layers/quantization/fp8.py",
+                "Fp8Config", body_lacks=("fp8_per_tensor",)),
+)
+
+
+def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        body = getattr(node, "body", [])
+        found = next((child for child in body if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and child.name == part), None)
+        if found is None:
+            return None
+        node = found
+    return node
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[set[str], bool]:
+    arguments = function.args
+    names = {a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
+    return names, arguments.kwarg is not None
+
+
+def _identifiers(node: ast.AST) -> tuple[set[str], list[str]]:
+    """The names and attributes `node` uses, and its string constants."""
+    used: set[str] = set()
+    strings: list[str] = []
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            used.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            used.add(child.attr)
+        elif isinstance(child, ast.Constant) and isinstance(child.value, str):
+            strings.append(child.value)
+    return used, strings
+
+
+def check_requirement(package: Path, requirement: Requirement) -> str | None:
+    """Why `requirement` does not hold in the `vllm` package at `package` (None when it holds)."""
+    path = package / requirement.path
+    where = f"{requirement.path}: {requirement.qualname}"
+    if not path.is_file():
+        return f"{requirement.path} is missing ({requirement.used_for})"
+    node = _find(ast.parse(path.read_text(encoding="utf-8"), str(path)), requirement.qualname)
+    if node is None:
+        return f"{where} is missing ({requirement.used_for})"
+    if requirement.parameters:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return f"{where} is not a function ({requirement.used_for})"
+        names, open_keywords = _parameters(node)
+        missing = [name for name in requirement.parameters if name not in names]
+        if missing and not open_keywords:
+            return f"{where} no longer takes {', '.join(missing)} ({requirement.used_for})"
+    used, strings = _identifiers(node)
+    absent = [name for name in requirement.body_has if name not in used and name not in strings]
+    if absent:
+        return f"{where} no longer has {', '.join(absent)} ({requirement.used_for})"
+    changed = [name for name in requirement.body_lacks if name in used or any(name in text for text in strings)]
+    if changed:
+        return f"{where} now uses {', '.join(changed)}, which changes {requirement.used_for}"
+    return None
+
+
+def check_sources(package: Path, contract: tuple[Requirement, ...] = CONTRACT) -> list[str]:
+    """Every requirement of `contract` that the vLLM sources at `package` (the `vllm` directory) break."""
+    return [problem for requirement in contract if (problem := check_requirement(package, requirement)) is not None]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the engine features may run on a vLLM version: `error` (they may not, and why) or `notice` (they may,
+    without GPU verification); both None for a GPU-verified version."""
+
+    version: str | None
+    error: str | None = None
+    notice: str | None = None
+
+
+def installed_vllm_package() -> Path | None:
+    """The installed `vllm` package directory, found without importing it."""
+    spec = importlib.util.find_spec("vllm")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]) if locations else None
+
+
+def _base(version: str) -> Version:
+    return Version(Version(version).base_version)
+
+
+def verdict(version: str | None, package: Path | None) -> Verdict:
+    """The engine features' verdict on vLLM `version` whose sources are at `package`."""
+    verified_low, verified_high = VLLM_ENGINE["vllm"]
+    supported = f"supported: >={verified_low},<{verified_high} (GPU-verified)"
+    if version is None:
+        return Verdict(version, error=f"vLLM is not installed ({supported})")
+    if Version(verified_low) <= _base(version) < Version(verified_high):
+        return Verdict(version)
+    low, high = SUPPORTED_OPTIONAL["vllm"]
+    if not Version(low) <= _base(version) < Version(high):
+        return Verdict(version, error=f"vllm=={version} is outside the range TRL 1.16 supports (>={low},<{high}); "
+                                      f"{supported}")
+    if package is None:
+        return Verdict(version, error=f"vllm=={version}: its sources were not found to check ({supported})")
+    problems = check_sources(package)
+    if problems:
+        return Verdict(version, error=f"vllm=={version} changed what trl_turbo's engine code relies on: "
+                                      + "; ".join(problems) + f". Supported: {supported}")
+    return Verdict(version, notice=f"vllm=={version} is not GPU-verified with trl_turbo's engine features "
+                                   f"({supported}); its sources keep every requirement trl_turbo checks, so they "
+                                   "run, with turbo_rollout_check raised from 'warn' to 'error'.")
+
+
+@functools.lru_cache(maxsize=4)
+def _installed_verdict(version: str | None, package: Path | None) -> Verdict:
+    return verdict(version, package)
+
+
+def installed_verdict() -> Verdict:
+    """The verdict on the installed vLLM (computed once per version)."""
+    return _installed_verdict(versions.installed_version("vllm"), installed_vllm_package())

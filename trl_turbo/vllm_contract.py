@@ -27,6 +27,10 @@ from . import versions
 from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE
 
 
+def _base(version: str) -> Version:
+    return Version(Version(version).base_version)
+
+
 @dataclass(frozen=True)
 class Requirement:
     used_for: str  # what trl_turbo does with it
@@ -38,7 +42,8 @@ class Requirement:
     # what trl_turbo relies on
 
 
-CONTRACT: tuple[Requirement, ...] = (
+# vLLM 0.24's generation: the adapter loader takes the model's mapper as is; allocations carry no sleep state.
+CONTRACT_0_24: tuple[Requirement, ...] = (
     Requirement("adapters from tensors: the LoRA manager's loader, wrapped per engine", "lora/worker_manager.py",
                 "WorkerLoRAManager._load_adapter", ("lora_request",),
                 body_lacks=("get_unstacked_mapper", "get_rename_mapper")),
@@ -68,6 +73,50 @@ CONTRACT: tuple[Requirement, ...] = (
     Requirement("fp8 sampling: `quantization='fp8'` without a checkpoint", "model_executor/layers/quantization/fp8.py",
                 "Fp8Config", body_lacks=("fp8_per_tensor",)),
 )
+
+
+
+def _replaced(contract: tuple[Requirement, ...], qualname: str, requirement: Requirement) -> tuple[Requirement, ...]:
+    return tuple(requirement if item.qualname == qualname else item for item in contract)
+
+
+# vLLM 0.25's generation: the adapter loader unstacks the model's mapper itself (so must trl_turbo's, or q/k/v merge
+# into one entry), and each allocation records whether it is asleep (set by standby when it unmaps one, so that a
+# wake-up that remaps only sleeping allocations still remaps it).
+CONTRACT_0_25: tuple[Requirement, ...] = _replaced(
+    CONTRACT_0_24, "WorkerLoRAManager._load_adapter",
+    Requirement("adapters from tensors: the LoRA manager's loader, wrapped per engine (mapper unstacked)",
+                "lora/worker_manager.py", "WorkerLoRAManager._load_adapter", ("lora_request",),
+                body_has=("get_unstacked_mapper",)),
+)
+CONTRACT_0_25 = _replaced(
+    CONTRACT_0_25, "CuMemAllocator.wake_up",
+    Requirement("KV standby: remapping a tag's allocations marked asleep", "device_allocator/cumem.py",
+                "CuMemAllocator.wake_up", ("tags",), body_has=("is_asleep", "create_and_map")),
+) + (Requirement("KV standby: the allocation's sleep state", "device_allocator/__init__.py", "AllocationData",
+                 body_has=("is_asleep",)),)
+
+
+@dataclass(frozen=True)
+class ApiGeneration:
+    """vLLM versions `[low, high)` that share what trl_turbo relies on, and the contract they keep."""
+
+    name: str
+    low: str
+    high: str
+    contract: tuple[Requirement, ...]
+
+
+GENERATIONS: tuple[ApiGeneration, ...] = (
+    ApiGeneration("0.24", "0.24.0", "0.25.0", CONTRACT_0_24),
+    ApiGeneration("0.25", "0.25.0", "0.32.0", CONTRACT_0_25),
+)
+CONTRACT = CONTRACT_0_24  # the GPU-verified generation's
+
+
+def generation_for(version: str) -> ApiGeneration | None:
+    """The API generation a vLLM version belongs to (None: older than any)."""
+    return next((g for g in GENERATIONS if Version(g.low) <= _base(version) < Version(g.high)), None)
 
 
 def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
@@ -150,10 +199,6 @@ def installed_vllm_package() -> Path | None:
     return Path(locations[0]) if locations else None
 
 
-def _base(version: str) -> Version:
-    return Version(Version(version).base_version)
-
-
 def verdict(version: str | None, package: Path | None) -> Verdict:
     """The engine features' verdict on vLLM `version` whose sources are at `package`."""
     verified_low, verified_high = VLLM_ENGINE["vllm"]
@@ -168,7 +213,8 @@ def verdict(version: str | None, package: Path | None) -> Verdict:
                                       f"{supported}")
     if package is None:
         return Verdict(version, error=f"vllm=={version}: its sources were not found to check ({supported})")
-    problems = check_sources(package)
+    generation = generation_for(version)
+    problems = check_sources(package, generation.contract) if generation else ["older than any API generation"]
     if problems:
         return Verdict(version, error=f"vllm=={version} changed what trl_turbo's engine code relies on: "
                                       + "; ".join(problems) + f". Supported: {supported}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trl_turbo import vllm_contract
-from trl_turbo.vllm_contract import CONTRACT, check_sources, verdict
+from trl_turbo.vllm_contract import CONTRACT, CONTRACT_0_25, check_sources, generation_for, verdict
 
 # vLLM 0.24's shape of everything the contract names, reduced to signatures and the lines the checks read.
 FAKE_0_24 = {
@@ -85,6 +85,22 @@ FAKE_0_24 = {
 }
 
 
+# vLLM 0.25's generation: the loader unstacks the mapper, allocations record their sleep state.
+FAKE_0_25 = {
+    **FAKE_0_24,
+    "lora/worker_manager.py": FAKE_0_24["lora/worker_manager.py"].replace(
+        "model.hf_to_vllm_mapper", "model.hf_to_vllm_mapper.get_unstacked_mapper()"),
+    "device_allocator/cumem.py": FAKE_0_24["device_allocator/cumem.py"].replace(
+        "create_and_map(data.handle)", "create_and_map(data.handle)\n                        data.is_asleep = False"),
+    "device_allocator/__init__.py": """
+        class AllocationData:
+            handle: object
+            tag: str
+            is_asleep: bool = False
+    """,
+}
+
+
 def _tree(root: Path, files: dict[str, str]) -> Path:
     package = root / "vllm"
     for relative, text in files.items():
@@ -136,9 +152,36 @@ def test_a_removed_file_and_open_keyword_arguments(tmp_path):
                         "loader fed the training model's bytes)"]
 
 
+def test_each_generation_has_its_own_contract(tmp_path):
+    old, new = _tree(tmp_path / "old", FAKE_0_24), _tree(tmp_path / "new", FAKE_0_25)
+    assert generation_for("0.24.1").name == "0.24" and generation_for("0.26.0").name == "0.25"
+    assert check_sources(new, CONTRACT_0_25) == [] and check_sources(old, CONTRACT) == []
+    assert any("get_unstacked_mapper" in problem for problem in check_sources(new, CONTRACT))
+    assert any("get_unstacked_mapper" in problem for problem in check_sources(old, CONTRACT_0_25))
+
+
+def test_the_0_25_adapter_unstacks_the_mapper_and_marks_what_standby_unmaps():
+    import types
+
+    from trl_turbo.vllm.engine import APIS
+
+    mapper = types.SimpleNamespace(get_unstacked_mapper=lambda: "unstacked")
+    model = types.SimpleNamespace(hf_to_vllm_mapper=mapper)
+    assert APIS["0.24"].lora_weights_mapper(model) is mapper
+    assert APIS["0.25"].lora_weights_mapper(model) == "unstacked"
+    assert APIS["0.25"].lora_weights_mapper(types.SimpleNamespace()) is None
+    allocation = types.SimpleNamespace(is_asleep=False)
+    APIS["0.25"].mark_mapped(allocation, False)
+    assert allocation.is_asleep
+    APIS["0.25"].mark_mapped(allocation, True)
+    assert not allocation.is_asleep
+    APIS["0.24"].mark_mapped(allocation, False)  # 0.24 tracks nothing
+    assert not allocation.is_asleep
+
+
 def test_verdicts(tmp_path):
-    good = _tree(tmp_path / "good", FAKE_0_24)
-    broken_files = dict(FAKE_0_24)
+    good = _tree(tmp_path / "good", FAKE_0_25)
+    broken_files = dict(FAKE_0_25)
     broken_files["v1/worker/gpu_model_runner.py"] = "class GPUModelRunner:\n    pass\n"
     broken = _tree(tmp_path / "broken", broken_files)
     assert verdict("0.24.0", None) == vllm_contract.Verdict("0.24.0")  # GPU-verified: no check, no notice
@@ -161,7 +204,7 @@ def _grpo_config(**kwargs):
 def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm_on_error(tmp_path, monkeypatch):
     from trl_turbo import versions
 
-    good = _tree(tmp_path, FAKE_0_24)
+    good = _tree(tmp_path, FAKE_0_25)
     monkeypatch.setattr(versions, "installed_version", lambda package: "0.26.0" if package == "vllm" else "0.21.0")
     monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: good)
     vllm_contract._installed_verdict.cache_clear()
@@ -178,14 +221,14 @@ def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm
 def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, monkeypatch):
     from trl_turbo import versions
 
-    files = dict(FAKE_0_24)
+    files = dict(FAKE_0_25)
     files["lora/worker_manager.py"] = files["lora/worker_manager.py"].replace(
-        "model.hf_to_vllm_mapper", "model.hf_to_vllm_mapper.get_rename_mapper()")
+        "get_unstacked_mapper", "get_rename_mapper")
     broken = _tree(tmp_path, files)
     monkeypatch.setattr(versions, "installed_version", lambda package: "0.30.0" if package == "vllm" else "0.21.0")
     monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: broken)
     vllm_contract._installed_verdict.cache_clear()
-    with pytest.raises(ValueError, match=r"vllm==0.30.0 changed .*get_rename_mapper.*>=0.24.0,<0.25.0"):
+    with pytest.raises(ValueError, match=r"vllm==0.30.0 changed .*no longer has get_unstacked_mapper.*>=0.24.0,<0.25.0"):
         _grpo_config(turbo_vllm_shared_weights=True)
     vllm_contract._installed_verdict.cache_clear()
 
@@ -194,7 +237,11 @@ CACHE = Path(__file__).resolve().parents[2] / ".cache" / "vllm-sources"
 
 
 @pytest.mark.skipif(not (CACHE / "0.24.0" / "vllm").is_dir(), reason="run scripts/fetch_vllm_sources.py first")
-def test_real_sources_gpu_verified_version_keeps_the_contract():
-    assert check_sources(CACHE / "0.24.0" / "vllm") == []
+def test_real_sources_keep_their_generation_contract_up_to_0_27():
+    kept = {}
     for version in sorted(path.name for path in CACHE.iterdir() if (path / "vllm").is_dir()):
-        print(version, check_sources(CACHE / version / "vllm"))
+        kept[version] = not check_sources(CACHE / version / "vllm", generation_for(version).contract)
+    assert kept["0.24.0"]
+    expected = {"0.24.0": True, "0.25.1": True, "0.26.0": True, "0.27.1": True, "0.28.0": False, "0.29.0": False,
+                "0.30.0": False, "0.31.0": False}
+    assert {v: kept[v] for v in kept if v in expected} == {v: expected[v] for v in kept if v in expected}

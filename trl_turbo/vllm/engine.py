@@ -25,6 +25,7 @@ The mechanisms, each on vLLM's own objects rather than re-implemented:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -34,6 +35,43 @@ import torch
 from .. import registry
 
 ADAPTER_PATH = "trl-turbo://in-memory-adapter"  # never read: ids from `TensorAdapters` are built from tensors
+
+
+class VllmApi:
+    """vLLM 0.24's generation of the internals that differ between versions (`vllm_contract.GENERATIONS`)."""
+
+    def lora_weights_mapper(self, model: Any) -> Any:
+        """The name mapper `LoRAModel.from_lora_tensors` gets, as vLLM's own adapter loader passes it."""
+        return getattr(model, "hf_to_vllm_mapper", None)
+
+    def mark_mapped(self, allocation: Any, mapped: bool) -> None:
+        """Record on a CuMem allocation that standby (un)mapped it, where vLLM tracks that."""
+
+
+class VllmApi025(VllmApi):
+    """vLLM 0.25 on: the adapter loader unstacks the model's mapper itself (passing it raw would merge q, k and v into
+    one entry), and each allocation records whether it is asleep (a wake-up may remap only sleeping ones)."""
+
+    def lora_weights_mapper(self, model: Any) -> Any:
+        mapper = super().lora_weights_mapper(model)
+        return mapper.get_unstacked_mapper() if mapper is not None else None
+
+    def mark_mapped(self, allocation: Any, mapped: bool) -> None:
+        allocation.is_asleep = not mapped
+
+
+APIS: dict[str, VllmApi] = {"0.24": VllmApi(), "0.25": VllmApi025()}
+
+
+@functools.cache
+def vllm_api() -> VllmApi:
+    """The adapter of the installed vLLM's API generation, selected once."""
+    from .. import versions
+    from ..vllm_contract import generation_for
+
+    version = versions.installed_version("vllm")
+    generation = generation_for(version) if version is not None else None
+    return APIS[generation.name if generation is not None else "0.24"]
 
 
 def driver_worker(llm: Any) -> Any:
@@ -108,7 +146,7 @@ class TensorAdapters:
         lora = manager._lora_model_cls.from_lora_tensors(
             lora_model_id=adapter_id, tensors=tensors, peft_helper=helper, device="cpu",
             dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-            weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+            weights_mapper=vllm_api().lora_weights_mapper(model),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
         expected = _expected_lora_modules(manager._adapter_manager)
@@ -186,6 +224,7 @@ class KVStandby:
         self.generation_in_use_bytes = total - free
         for data in self._kv_allocations() + (self._weight_allocations if self._weights_mapped else []):
             unmap_and_release(data.handle)
+            vllm_api().mark_mapped(data, False)
         self._weights_mapped = False
         self.released = True
         return self.bytes
@@ -198,6 +237,7 @@ class KVStandby:
         if self.released and not self._weights_mapped:
             for data in self._weight_allocations:
                 create_and_map(data.handle)
+                vllm_api().mark_mapped(data, True)
             self._weights_mapped = True
 
     def restore(self) -> int:
@@ -211,6 +251,7 @@ class KVStandby:
         if not self._weights_mapped:
             for data in self._weight_allocations:
                 create_and_map(data.handle)
+                vllm_api().mark_mapped(data, True)
             self._weights_mapped = True
         driver_worker(self._llm).model_runner.post_kv_cache_wake_up()
         self._llm.reset_prefix_cache()

@@ -24,7 +24,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from . import versions
-from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE
+from .versions import SUPPORTED_OPTIONAL, VLLM_ENGINE, VLLM_GPU_VERIFIED
 
 
 def _base(version: str) -> Version:
@@ -201,11 +201,13 @@ def installed_vllm_package() -> Path | None:
 
 def verdict(version: str | None, package: Path | None) -> Verdict:
     """The engine features' verdict on vLLM `version` whose sources are at `package`."""
-    verified_low, verified_high = VLLM_ENGINE["vllm"]
-    supported = f"supported: >={verified_low},<{verified_high} (GPU-verified)"
+    engine_low, engine_high = VLLM_ENGINE["vllm"]
+    supported = (f"supported: >={engine_low},<{engine_high}, GPU-verified: "
+                 + ", ".join(f"{minor}.x" for minor in VLLM_GPU_VERIFIED))
     if version is None:
         return Verdict(version, error=f"vLLM is not installed ({supported})")
-    if Version(verified_low) <= _base(version) < Version(verified_high):
+    minor = ".".join(str(part) for part in _base(version).release[:2])
+    if minor in VLLM_GPU_VERIFIED:
         return Verdict(version)
     low, high = SUPPORTED_OPTIONAL["vllm"]
     if not Version(low) <= _base(version) < Version(high):

@@ -5,6 +5,7 @@ token batches and gradients."""
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -140,3 +141,12 @@ def checkpointed_grads(model, ids, *, runtime=None, tiled_tokens=None, checkpoin
     out = model(ids, labels=ids)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def as_if_vllm_installed(monkeypatch: Any, version: str = "0.24.0") -> None:
+    """Make trl_turbo's version checks see vLLM `version` (a GPU-verified one by default) on a machine without it."""
+    from trl_turbo import versions, vllm_contract
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda package: version if package == "vllm" else real(package))
+    vllm_contract._installed_verdict.cache_clear()

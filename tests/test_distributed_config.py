@@ -13,6 +13,8 @@ from trl_turbo import config as turbo_config
 from trl_turbo import losses
 from trl_turbo.distributed import FEATURE_STRATEGIES, Strategy, detect_strategy, local_process_count
 
+from helpers import as_if_vllm_installed
+
 _LAUNCH_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
                "ACCELERATE_USE_FSDP", "FSDP_VERSION", "LOCAL_WORLD_SIZE")
 
@@ -106,9 +108,7 @@ def test_no_warning_when_the_features_are_off_or_checkpointing_is(monkeypatch):
 
 @pytest.mark.parametrize("strategy", list(Strategy), ids=lambda s: s.name)
 def test_shared_weights_are_refused_before_loading_where_weights_are_sharded(monkeypatch, strategy):
-    from trl_turbo import versions
-
-    monkeypatch.setattr(versions, "unsupported_reason", lambda packages=None: None)  # as if vLLM 0.24 were here
+    as_if_vllm_installed(monkeypatch)
     world_size = _launch(monkeypatch, strategy)
     engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
     turbo_config.validate(_args(world_size, turbo_vllm_standby=True, **engine))  # standby: every strategy
@@ -121,9 +121,7 @@ def test_shared_weights_are_refused_before_loading_where_weights_are_sharded(mon
 
 
 def test_engine_features_need_one_engine_per_process(monkeypatch):
-    from trl_turbo import versions
-
-    monkeypatch.setattr(versions, "unsupported_reason", lambda packages=None: None)
+    as_if_vllm_installed(monkeypatch)
     for switch in ("turbo_vllm_shared_weights", "turbo_vllm_standby"):
         with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1"):
             turbo_config.validate(_args(2, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2,

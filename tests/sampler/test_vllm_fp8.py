@@ -15,6 +15,8 @@ from trl_turbo.testing.models import tiny_model
 from trl_turbo.vllm.fp8 import Fp8Sampling, Fp8Tensor, hf_linear_modules
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
 
+from helpers import as_if_vllm_installed
+
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
@@ -165,7 +167,6 @@ def test_fp8_needs_importance_sampling_and_shared_weights(tmp_path, monkeypatch)
     import trl_turbo  # noqa: F401
     from trl import GRPOConfig
 
-    from trl_turbo import versions
 
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate")
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
@@ -173,7 +174,7 @@ def test_fp8_needs_importance_sampling_and_shared_weights(tmp_path, monkeypatch)
                    vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="turbo_vllm_shared_weights=True"):
         GRPOConfig(**common, turbo_vllm_sampling="fp8")
-    monkeypatch.setattr(versions, "unsupported_reason", lambda *args, **kwargs: None)  # as if vLLM 0.24 were here
+    as_if_vllm_installed(monkeypatch)
     config = GRPOConfig(**common, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8")
     assert config.turbo_vllm_sampling == "fp8"
 

@@ -111,6 +111,41 @@ def plan_layers(layers: int, layer_bytes: int, input_bytes: int, available_bytes
                      predicted_peak_bytes=allocated_bytes + used)
 
 
+def reserve_margin(total_bytes: int, extra_reserve_bytes: int = 0) -> int:
+    """What stays free of a device of `total_bytes` whatever the plan (plus what re-plans added)."""
+    return max(int(MARGIN_FRACTION * total_bytes), MARGIN_FLOOR_BYTES) + extra_reserve_bytes
+
+
+def first_layer_fits(free_bytes: int, margin_bytes: int, head_bytes: int, estimate_bytes: int) -> bool:
+    """Whether the first layer may keep its activations: kept, it costs them now and a recompute-sized working set
+    stays reserved for the backward pass."""
+    return free_bytes - margin_bytes - head_bytes - 2 * estimate_bytes >= 0
+
+
+def plan_forward(layer_count: int, layer_bytes: int, input_bytes: int, head_bytes: int, free_bytes: int,
+                 allocated_bytes: int, margin_bytes: int, first_kept: bool, can_offload: bool,
+                 tokens: int) -> LayerPlan:
+    """The plan of a forward's layers after the first, from the budget read before the first layer ran (what it
+    keeps is spent from `free_bytes`) and one layer's activation bytes."""
+    first_bytes = layer_bytes if first_kept else (0 if can_offload else input_bytes)
+    working = layer_bytes + head_bytes  # after the layers: one layer's recompute, the head's hidden states
+    available = free_bytes - first_bytes - working - margin_bytes
+    return dataclasses.replace(
+        plan_layers(layer_count - 1, layer_bytes, input_bytes, available, can_offload,
+                    allocated_bytes=allocated_bytes + first_bytes + working),
+        tokens=tokens, spendable_bytes=free_bytes - margin_bytes, first_kept=first_kept)
+
+
+def all_kept_group_tokens(plan: LayerPlan, layer_count: int, head_bytes: int) -> int | None:
+    """From a forward that could not keep every layer: the most tokens a forward can have with every layer keeping
+    its activations (its bytes per token, all layers kept plus the head, against what it could spend); None when
+    the forward kept every layer or had no budget."""
+    if plan.kept == plan.layers or plan.tokens == 0 or plan.spendable_bytes < 0:
+        return None
+    per_token = (layer_count * plan.layer_bytes + head_bytes) / plan.tokens
+    return max(0, int(plan.spendable_bytes / per_token))
+
+
 def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tuple[int, int, int]:
     """(free bytes the plan may count on, bytes torch has allocated, device capacity) of a CUDA device: the driver's
     free memory plus torch's cached blocks that hold nothing, within torch's per-process memory fraction and, if
@@ -187,11 +222,10 @@ class MemoryPlanner:
         margin = 0
         if budget is not None:
             free, allocated, total = budget
-            margin = max(int(MARGIN_FRACTION * total), MARGIN_FLOOR_BYTES) + self.extra_reserve_bytes
+            margin = reserve_margin(total, self.extra_reserve_bytes)
         estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
                     else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
-        # kept, it costs its activations now and a recompute-sized working set stays reserved for the backward pass
-        first_kept = budget is None or free - margin - head_bytes - 2 * estimate >= 0
+        first_kept = budget is None or first_layer_fits(free, margin, head_bytes, estimate)
         if first_kept:
             storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
             with counting_saved_bytes(storages) as counted, kept_layer():
@@ -205,15 +239,13 @@ class MemoryPlanner:
         if budget is None:
             plan = LayerPlan(0, 0, others, layer_bytes, input_bytes, -1, -1, tokens)
         else:
-            first_bytes = layer_bytes if first_kept else (0 if self.can_offload else input_bytes)
-            working = layer_bytes + head_bytes  # after the layers: one layer's recompute, the head's hidden states
-            # `free` and `allocated` were read before the first layer ran: what it keeps is spent from `free`
-            available = free - first_bytes - working - margin
-            plan = dataclasses.replace(
-                plan_layers(others, layer_bytes, input_bytes, available, self.can_offload,
-                            allocated_bytes=allocated + first_bytes + working),
-                tokens=tokens, spendable_bytes=free - margin, first_kept=first_kept)
-            self._update_group_budget(plan, head_bytes)
+            plan = plan_forward(self.layer_count, layer_bytes, input_bytes, head_bytes, free, allocated, margin,
+                                first_kept, self.can_offload, tokens)
+            # Kept until a forward that cannot keep every layer happens again, so groups sized by it (which keep
+            # every layer) do not undo it.
+            group_budget = all_kept_group_tokens(plan, self.layer_count, head_bytes)
+            if group_budget is not None:
+                self.group_budget = group_budget
         self.current = plan
         self.step_plans.append(plan)
         return output

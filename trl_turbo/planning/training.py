@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..offload.memory_plan import HEAD_HIDDEN_STATES, MARGIN_FLOOR_BYTES, MARGIN_FRACTION, LayerPlan, plan_layers
+from ..grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS
+from ..offload.memory_plan import (
+    HEAD_HIDDEN_STATES,
+    LayerPlan,
+    all_kept_group_tokens,
+    first_layer_fits,
+    plan_forward,
+    reserve_margin,
+)
 from .model_spec import ModelSpec
 
 NORM_STATES = 2.25
@@ -27,9 +35,6 @@ KEPT_EXTRA_STATES = 4
 ACTIVATION_BYTES = 2  # bf16
 # Device memory outside torch's allocator (CUDA context, cuBLAS workspaces): not free for the planner.
 CONTEXT_BYTES = 512 * 2**20
-# What the automatic plan groups at least (`grpo.sequence_groups.MIN_PLANNED_GROUP_TOKENS`; importing it would make
-# this module import the trainer-facing feature code).
-MIN_PLANNED_GROUP_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -105,29 +110,25 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     free = capacity_bytes - CONTEXT_BYTES - allocated
     if ceiling_bytes is not None:
         free = min(free, ceiling_bytes - CONTEXT_BYTES - allocated)
-    margin = max(int(MARGIN_FRACTION * capacity_bytes), MARGIN_FLOOR_BYTES)
+    margin = reserve_margin(capacity_bytes)
+
+    def head_bytes(group_tokens: int) -> int:
+        return HEAD_HIDDEN_STATES * group_tokens * spec.hidden_size * 4
 
     def plan_for(group_tokens: int) -> LayerPlan:
         layer = int(kept_per_token * group_tokens)
-        head = HEAD_HIDDEN_STATES * group_tokens * spec.hidden_size * 4
-        first_kept = free - margin - head - 2 * layer >= 0
-        first = layer if first_kept else 0
-        available = free - first - (layer + head) - margin
-        plan = plan_layers(spec.layers - 1, layer, group_tokens * unit, available, True,
-                           allocated_bytes=allocated + first + layer + head)
-        return LayerPlan(plan.offloaded, plan.on_device, plan.kept, layer, plan.input_bytes, available,
-                         plan.predicted_peak_bytes, group_tokens, free - margin, first_kept)
+        head = head_bytes(group_tokens)
+        return plan_forward(spec.layers, layer, group_tokens * unit, head, free, allocated, margin,
+                            first_layer_fits(free, margin, head, layer), True, group_tokens)
 
     first_plan = plan_for(tokens)
     plan, steady_rows, steady_groups = first_plan, rows, groups
-    if first_plan.kept_layers < spec.layers:  # the planner re-groups so every layer keeps its activations
-        head = HEAD_HIDDEN_STATES * tokens * spec.hidden_size * 4
-        per_token = (spec.layers * first_plan.layer_bytes + head) / tokens
-        group_budget = int(first_plan.spendable_bytes / per_token)
-        if group_budget >= max(batch.sequence_tokens, MIN_PLANNED_GROUP_TOKENS):
-            budget = min(forward_token_budget or group_budget, group_budget)
-            steady_rows, steady_groups = token_groups(batch, budget)
-            plan = plan_for(steady_rows * batch.sequence_tokens)
+    # the planner re-groups so every layer keeps its activations (`grpo.sequence_groups.planned_group_tokens`)
+    group_budget = all_kept_group_tokens(first_plan, spec.layers, head_bytes(tokens))
+    if group_budget is not None and group_budget >= max(batch.sequence_tokens, MIN_PLANNED_GROUP_TOKENS):
+        budget = min(forward_token_budget or group_budget, group_budget)
+        steady_rows, steady_groups = token_groups(batch, budget)
+        plan = plan_for(steady_rows * batch.sequence_tokens)
     host = plan.offloaded * plan.input_bytes
     return TrainingForecast("auto", plan.predicted_peak_bytes, first_plan.predicted_peak_bytes, steady_rows,
                             steady_groups, plan, host)

@@ -3,9 +3,9 @@ and whether the installed vLLM may run the engine features.
 
 Design decision: a version trl_turbo cannot run on the GPU is judged by reading its source, never by importing it:
 each requirement names a file of the `vllm` package, a class or function in it, the parameters trl_turbo passes, and
-what its body must or must not contain where trl_turbo relies on a behaviour, not only a name (vLLM's adapter loader
-must not re-map names itself, its allocator's wake-up must remap every allocation of a tag, its runner must offer the
-KV wake-up hook). `check_sources` parses the files with `ast`, so any version can be checked on any machine; the
+what its body must or must not contain where trl_turbo relies on a behaviour, not only a name (how vLLM's adapter
+loader maps names, which allocations its allocator's wake-up remaps, whether its runner offers the KV wake-up hook).
+Versions sharing those behaviours form an API generation with one contract, and `vllm/engine.py` one adapter. `check_sources` parses the files with `ast`, so any version can be checked on any machine; the
 sources come from `scripts/fetch_vllm_sources.py` (a git-ignored cache), and CI checks the checker on small fake
 trees. The installed vLLM is judged the same way (its sources found without importing it): a GPU-verified version
 runs as is; another version within TRL's range runs when its sources keep the contract, with a one-line notice and
@@ -73,7 +73,6 @@ CONTRACT_0_24: tuple[Requirement, ...] = (
     Requirement("fp8 sampling: `quantization='fp8'` without a checkpoint", "model_executor/layers/quantization/fp8.py",
                 "Fp8Config", body_lacks=("fp8_per_tensor",)),
 )
-
 
 
 def _replaced(contract: tuple[Requirement, ...], qualname: str, requirement: Requirement) -> tuple[Requirement, ...]:
@@ -151,13 +150,18 @@ def _identifiers(node: ast.AST) -> tuple[set[str], list[str]]:
     return used, strings
 
 
-def check_requirement(package: Path, requirement: Requirement) -> str | None:
-    """Why `requirement` does not hold in the `vllm` package at `package` (None when it holds)."""
+def check_requirement(package: Path, requirement: Requirement,
+                      parsed: dict[Path, ast.Module] | None = None) -> str | None:
+    """Why `requirement` does not hold in the `vllm` package at `package` (None when it holds); `parsed` caches the
+    files already read."""
     path = package / requirement.path
     where = f"{requirement.path}: {requirement.qualname}"
     if not path.is_file():
         return f"{requirement.path} is missing ({requirement.used_for})"
-    node = _find(ast.parse(path.read_text(encoding="utf-8"), str(path)), requirement.qualname)
+    parsed = {} if parsed is None else parsed
+    if path not in parsed:
+        parsed[path] = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    node = _find(parsed[path], requirement.qualname)
     if node is None:
         return f"{where} is missing ({requirement.used_for})"
     if requirement.parameters:
@@ -179,7 +183,9 @@ def check_requirement(package: Path, requirement: Requirement) -> str | None:
 
 def check_sources(package: Path, contract: tuple[Requirement, ...] = CONTRACT) -> list[str]:
     """Every requirement of `contract` that the vLLM sources at `package` (the `vllm` directory) break."""
-    return [problem for requirement in contract if (problem := check_requirement(package, requirement)) is not None]
+    parsed: dict[Path, ast.Module] = {}
+    return [problem for requirement in contract
+            if (problem := check_requirement(package, requirement, parsed)) is not None]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Benchmarks of trl_turbo against stock TRL: ``python -m trl_turbo.bench {train,loss,e2e,table}``.
+"""Benchmarks of trl_turbo against stock TRL: ``python -m trl_turbo.bench {train,loss,e2e,cpu-step,soak,table}``.
 
 Design decision: stock and turbo are measured in ONE process, on the same randomly initialised model and the same
 synthetic inputs, by switching the patch state with ``trl_turbo.unpatch()`` / ``trl_turbo.patch()`` between

@@ -1,4 +1,4 @@
-"""CLI entry point: ``python -m trl_turbo.bench {train,loss,e2e,cpu-step,table} ...``.
+"""CLI entry point: ``python -m trl_turbo.bench {train,loss,e2e,cpu-step,soak,table} ...``.
 
 Design decision: one argparse program with a subcommand per benchmark; each subcommand module owns its arguments
 (``add_parser``) and its ``run``, so adding a benchmark touches only its module and this list.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import cpu_step, e2e, loss, results, train
+from . import cpu_step, e2e, loss, results, soak, train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -19,6 +19,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     loss.add_parser(subparsers)
     e2e.add_parser(subparsers)
     cpu_step.add_parser(subparsers)
+    soak.add_parser(subparsers)
     results.add_table_parser(subparsers)
     args = parser.parse_args(argv)
     args.func(args)

@@ -103,9 +103,13 @@ def metadata(benchmark: str, device: torch.device, config: dict[str, Any]) -> di
     }
 
 
+COMPLETION_AXIS = ("completion_len", "completion length (tokens)")
+
+
 def plot(rows: list[dict[str, Any]], series: Callable[[dict[str, Any]], str], panels: Iterable[tuple[str, str]],
-         title: str, path: Path) -> None:
-    """One subplot per ``(metric, y label)`` of ``panels``, metric against completion length, one line per series."""
+         title: str, path: Path, x: tuple[str, str] = COMPLETION_AXIS) -> None:
+    """One subplot per ``(metric, y label)`` of ``panels``, metric against the row field ``x`` (completion length by
+    default), one line per series."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,17 +121,17 @@ def plot(rows: list[dict[str, Any]], series: Callable[[dict[str, Any]], str], pa
     for ax, (metric, label) in zip(axes[0], panels):
         for name in names:
             points = sorted(
-                (row["completion_len"], row[metric])
+                (row[x[0]], row[metric])
                 for row in rows
                 if series(row) == name and row["ok"] and row.get(metric) is not None
             )
             if points:
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, marker="o", label=name)
-            failed = [row["completion_len"] for row in rows if series(row) == name and not row["ok"]]
+            failed = [row[x[0]] for row in rows if series(row) == name and not row["ok"]]
             for x in failed:
                 ax.axvline(x, linestyle=":", alpha=0.4)
-        ax.set_xlabel("completion length (tokens)")
+        ax.set_xlabel(x[1])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -139,14 +143,15 @@ def plot(rows: list[dict[str, Any]], series: Callable[[dict[str, Any]], str], pa
 
 
 def write(meta: dict[str, Any], rows: list[dict[str, Any]], shape: str, out_dir: Path,
-          series: Callable[[dict[str, Any]], str], panels: Iterable[tuple[str, str]], stem: str | None = None) -> Path:
+          series: Callable[[dict[str, Any]], str], panels: Iterable[tuple[str, str]], stem: str | None = None,
+          x: tuple[str, str] = COMPLETION_AXIS) -> Path:
     """Write ``<benchmark>-<shape>-<timestamp>.json`` (or ``<stem>.json``) and its PNG into ``out_dir``; return the
     JSON path. Calling it again with the same ``stem`` rewrites both files, so long runs can save after every row."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = stem or f"{meta['benchmark']}-{shape}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    plot(rows, series, panels, f"{meta['benchmark']} {shape} on {meta['gpu']}", out_dir / f"{stem}.png")
+    plot(rows, series, panels, f"{meta['benchmark']} {shape} on {meta['gpu']}", out_dir / f"{stem}.png", x)
     return json_path
 
 

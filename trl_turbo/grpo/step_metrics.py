@@ -27,7 +27,7 @@ GAP_METRIC = "sampling/sampling_logp_difference/mean"
 
 _GIB = 2**30
 # Reduced over ranks by their maximum; every other metric by its mean.
-MAXIMUM = frozenset({"offload/host_peak_gib", "offload/blocking_fetches", "memory/device_peak_gib/max",
+MAXIMUM = frozenset({"offload/host_peak_gib", "offload/host_pool_gib", "offload/blocking_fetches", "memory/device_peak_gib/max",
                      "memory_plan/predicted_peak_gib", "memory_plan/layer_activation_gib"})
 
 
@@ -53,6 +53,7 @@ def step_values(trainer: Any) -> dict[str, float]:
             "offload/offloaded_gib": stats.offloaded_bytes / _GIB,
             "offload/kept_on_device_gib": stats.kept_on_device_bytes / _GIB,
             "offload/host_peak_gib": stats.host_bytes_peak / _GIB,
+            "offload/host_pool_gib": runtime.offloader.pool.allocated_bytes / _GIB,
             "offload/copy_wait_s": stats.wait_s,
             "offload/blocking_fetches": float(stats.blocking_fetches),
         })

@@ -154,10 +154,14 @@ QUANTIZATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+TINY_SHAPE: dict[str, Any] = {"hidden_size": 256, "layers": 2, "head_dim": 64, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "intermediate_size": 512}
+
+
 def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quantization: str | None = None,
-                  **config_overrides: Any) -> Any:
-    """A shared-weight, standby GRPOTrainer with colocated vLLM over a tiny random ``arch`` model saved at ``path``
-    (loaded through bitsandbytes with one of ``QUANTIZATIONS``, if named)."""
+                  model_shape: dict[str, Any] | None = None, **config_overrides: Any) -> Any:
+    """A shared-weight, standby GRPOTrainer with colocated vLLM over a tiny random ``arch`` model (``TINY_SHAPE``, or
+    ``model_shape``) saved at ``path`` (loaded through bitsandbytes with one of ``QUANTIZATIONS``, if named)."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -166,8 +170,7 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quanti
     from trl_turbo.testing import parity
     from trl_turbo.testing.models import tiny_model
 
-    model = tiny_model(arch, vocab_size=len(VOCAB), hidden_size=256, layers=2, dtype=torch.bfloat16, head_dim=64,
-                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+    model = tiny_model(arch, vocab_size=len(VOCAB), dtype=torch.bfloat16, **(model_shape or TINY_SHAPE))
     stop_early(model)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)

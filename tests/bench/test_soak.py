@@ -1,0 +1,83 @@
+"""CPU tests of `bench soak`: the flatness verdict on synthetic traces (flat ones pass; each kind of leak or slowdown
+trips its own check), the per-step recorder on a real tiny trainer, and the result file's x axis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import trl_turbo  # noqa: F401  (turbo_* fields)
+from trl_turbo.bench import results, soak
+from trl_turbo.testing import parity
+
+MIB = 2**20
+
+
+def flat_trace(steps: int = 200) -> list[dict]:
+    """Warm-up growth in the first steps, then flat within noise; completion-length-like pool steps twice."""
+    trace = []
+    for step in range(1, steps + 1):
+        warm = min(step, 10)
+        trace.append({"step": step, "step_s": 0.5 + 0.01 * (step % 3), "device_allocated": (100 + warm) * MIB,
+                      "device_used": (2000 + 10 * warm + step % 7) * MIB, "host_rss": (900 + 5 * warm) * MIB + step % 5,
+                      "offload_pool": (64 if step < 60 else 96 if step < 150 else 128) * MIB})
+    return trace
+
+
+def test_flat_trace_is_flat():
+    verdict = soak.flatness(flat_trace())
+    assert verdict["flat"], verdict["checks"]
+    assert set(verdict["checks"]) == {"device_allocated_range", "device_used_range", "host_rss_growth",
+                                      "host_rss_slope", "pool_growth_steps", "step_time_drift"}
+
+
+@pytest.mark.parametrize("leak, check", [
+    (lambda row: row.update(device_allocated=row["device_allocated"] + row["step"] * MIB // 4), "device_allocated_range"),
+    (lambda row: row.update(device_used=row["device_used"] + row["step"] * 2 * MIB), "device_used_range"),
+    (lambda row: row.update(host_rss=row["host_rss"] + row["step"] * MIB), "host_rss_slope"),
+    (lambda row: row.update(offload_pool=row["offload_pool"] + row["step"] * MIB), "pool_growth_steps"),
+    (lambda row: row.update(step_s=row["step_s"] * (1 + row["step"] / 200)), "step_time_drift"),
+])
+def test_each_leak_trips_its_check(leak, check):
+    trace = flat_trace()
+    for row in trace:
+        leak(row)
+    verdict = soak.flatness(trace)
+    assert not verdict["flat"]
+    assert not verdict["checks"][check]["ok"], verdict["checks"][check]
+
+
+def test_rss_jump_after_warmup_trips_growth_but_warmup_does_not():
+    trace = flat_trace()
+    for row in trace[:20]:
+        row["host_rss"] -= 500 * MIB  # warm-up growth is left out
+    assert soak.flatness(trace)["flat"]
+    for row in trace[150:]:
+        row["host_rss"] += 300 * MIB
+    assert not soak.flatness(trace)["checks"]["host_rss_growth"]["ok"]
+
+
+def test_too_short_a_soak_is_refused():
+    with pytest.raises(ValueError, match="needs more than"):
+        soak.flatness(flat_trace(steps=soak.FLATNESS_BOUNDS.warmup))
+
+
+def test_recorder_samples_every_step_of_a_real_trainer(tmp_path):
+    config = parity.base_config_kwargs(str(tmp_path), max_steps=3, gradient_checkpointing=True,
+                                       turbo_memory_plan="min")
+    trainer = parity.build_trainer(config, peft=True)
+    trace = soak.record_steps(trainer)
+    assert [row["step"] for row in trace] == [1, 2, 3]
+    assert all(row["step_s"] > 0 and row["host_rss"] > 0 and row["reward"] is not None and row["loss"] is not None
+               for row in trace)
+    assert all("device_used" not in row for row in trace)  # no CUDA: no device series, and the verdict skips them
+
+
+def test_soak_rows_plot_against_the_step(tmp_path):
+    rows = [{**row, "variant": "turbo", "ok": True, "host_rss_gib": row["host_rss"] / 2**30} for row in flat_trace(30)]
+    meta = {"benchmark": "soak", "gpu": "cpu", "config": {}}
+    path = results.write(meta, rows, "tiny-llama", tmp_path, series=lambda row: row["variant"],
+                         panels=[("host_rss_gib", "host RSS")], x=("step", "step"))
+    assert json.loads(path.read_text())["rows"][0]["step"] == 1
+    assert path.with_suffix(".png").stat().st_size > 0

@@ -1,0 +1,191 @@
+"""``python -m trl_turbo.bench soak``: hundreds of GRPO steps with every trl_turbo feature on, what could leak
+recorded at every step, and a verdict on whether anything grows.
+
+Design decision: one real GRPOTrainer in one process (leaks are per process) over a small random Llama saved locally:
+colocated vLLM sharing the base weights, KV standby, merged sampling, every layer checkpointed and offloaded ("min"
+memory plan), tiled MLP, sequence groups, the fused loss and TRL's truncated importance-sampling correction. A
+callback samples at each step end torch's allocated and reserved device bytes, the driver's used bytes, the process's
+resident host memory, torch's pinned-host allocator and the step's wall time; the offload pool's size comes from the
+step's own metric. The verdict (`flatness`) is a pure function of that trace with its bounds stated in
+`FLATNESS_BOUNDS`, so it is tested on synthetic traces; the benchmark measures and reports it, it never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class FlatnessBounds:
+    """What "flat after warm-up" means here: the first `warmup` steps are left out; after them each series may move
+    at most this much (ranges are max - min over the steps after warm-up)."""
+    warmup: int = 20
+    device_allocated_range: int = 16 * MIB  # torch's live tensors at step end
+    device_used_range: int = 256 * MIB  # the driver's view: torch's cache, vLLM's pools, CUDA graphs
+    host_rss_growth: int = 256 * MIB  # last step's resident memory over the first step after warm-up
+    host_rss_slope: int = 128 * 1024  # bytes per step, least-squares over the steps after warm-up
+    pool_growth_steps: int = 5  # steps whose pinned offload pool is larger than the step before (a leak grows it
+    # step after step; a step needing more than any before it grows it once)
+    step_time_drift: float = 1.10  # median of the last 100 steps over the median of the first 100 after warm-up
+
+
+FLATNESS_BOUNDS = FlatnessBounds()
+
+
+def _slope(values: list[float]) -> float:
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    numerator = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+    return numerator / sum((i - mean_x) ** 2 for i in range(n))
+
+
+def flatness(trace: list[dict[str, Any]], bounds: FlatnessBounds = FLATNESS_BOUNDS) -> dict[str, Any]:
+    """Each series' movement after warm-up, and whether it is within `bounds` (``flat`` is all of them)."""
+    after = trace[bounds.warmup:]
+    if len(after) < 2:
+        raise ValueError(f"a soak needs more than {bounds.warmup + 1} steps to judge, got {len(trace)}")
+
+    def series(key: str) -> list[float]:
+        return [row[key] for row in after if row.get(key) is not None]
+
+    checks: dict[str, dict[str, Any]] = {}
+
+    def check(name: str, value: float, bound: float) -> None:
+        checks[name] = {"value": value, "bound": bound, "ok": value <= bound}
+
+    for key, bound in (("device_allocated", bounds.device_allocated_range), ("device_used", bounds.device_used_range)):
+        values = series(key)
+        if values:
+            check(f"{key}_range", max(values) - min(values), bound)
+    rss = series("host_rss")
+    check("host_rss_growth", rss[-1] - rss[0], bounds.host_rss_growth)
+    check("host_rss_slope", _slope(rss), bounds.host_rss_slope)
+    pool = series("offload_pool")
+    if pool:
+        check("pool_growth_steps", sum(later > earlier for earlier, later in zip(pool, pool[1:])),
+              bounds.pool_growth_steps)
+    times = series("step_s")
+    window = min(100, len(times) // 2) or 1
+    check("step_time_drift", statistics.median(times[-window:]) / statistics.median(times[:window]),
+          bounds.step_time_drift)
+    return {"flat": all(c["ok"] for c in checks.values()), "checks": checks, "bounds": asdict(bounds)}
+
+
+def host_rss_bytes() -> int:
+    """This process's resident set size (Linux's /proc; 0 where it is unavailable)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _pinned_host_bytes() -> int | None:
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    return int(stats().get("allocated_bytes.current", 0))
+
+
+def sample_memory() -> dict[str, Any]:
+    """What could leak, now: device bytes (torch allocated and reserved, the driver's used), host RSS, pinned host."""
+    import torch
+
+    row: dict[str, Any] = {"host_rss": host_rss_bytes(), "pinned_host": _pinned_host_bytes()}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        row.update(device_allocated=torch.cuda.memory_allocated(), device_reserved=torch.cuda.memory_reserved(),
+                   device_used=total - free)
+    return row
+
+
+def record_steps(trainer: Any) -> list[dict[str, Any]]:
+    """Train, sampling `sample_memory` and the wall time of every step; each row also takes the step's logged
+    offload pool size, reward and loss."""
+    from transformers import TrainerCallback
+
+    trace: list[dict[str, Any]] = []
+
+    class Recorder(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            trace.append({"step": state.global_step, "step_s": time.perf_counter() - self.start, **sample_memory()})
+
+    trainer.add_callback(Recorder())
+    trainer.train()
+    logs: dict[int, dict[str, Any]] = {}
+    for log in trainer.state.log_history:  # a step may log twice (the run's summary shares the last step)
+        logs.setdefault(log.get("step"), {}).update(log)
+    for row in trace:
+        log = logs.get(row["step"], {})
+        pool = log.get("offload/host_pool_gib")
+        row.update(offload_pool=None if pool is None else pool * GIB, reward=log.get("reward"), loss=log.get("loss"),
+                   kv_released_gib=log.get("vllm/kv_released_gib"))
+    return trace
+
+
+SOAK_MODEL = {"hidden_size": 1024, "layers": 8, "head_dim": 64, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "intermediate_size": 2816}
+
+
+def build_soak_trainer(path: Path, steps: int, completion_len: int) -> Any:
+    """The trainer of the soak: `SOAK_MODEL`, every feature on (see the module docstring)."""
+    from ..testing import vllm_checks
+
+    return vllm_checks.build_trainer(
+        "llama", path, steps=steps, completion_cap=completion_len, model_shape=SOAK_MODEL,
+        gradient_checkpointing=True, turbo_memory_plan="min", turbo_tiled_mlp_tokens=256,
+        turbo_forward_token_budget=512, logging_steps=1)
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench soak needs a CUDA device and vLLM (it runs the colocated engine)")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_soak_trainer(Path(tmp), args.steps, args.completion_len)
+        trace = record_steps(trainer)
+    verdict = flatness(trace)
+    for name, item in verdict["checks"].items():
+        print(f"{name}: {item['value']:.4g} (bound {item['bound']:.4g}) {'ok' if item['ok'] else 'EXCEEDED'}")
+    print("flat" if verdict["flat"] else "NOT flat")
+    rows = [{**row, "variant": "turbo", "ok": True,
+             **{f"{key}_gib": row[key] / GIB for key in ("device_used", "host_rss", "offload_pool")
+                if row.get(key) is not None}} for row in trace]
+    meta = metadata("soak", torch.device("cuda"), {"steps": args.steps, "completion_len": args.completion_len,
+                                                   "model": SOAK_MODEL})
+    meta["verdict"] = verdict
+    path = write(meta, rows, "tiny-llama", Path(args.out), series=lambda row: row["variant"],
+                 panels=[("device_used_gib", "device used (GiB, driver)"), ("host_rss_gib", "host RSS (GiB)"),
+                         ("offload_pool_gib", "pinned offload pool (GiB)"), ("step_s", "step time (s)")],
+                 x=("step", "step"))
+    print(f"wrote {path}")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("soak", help="hundreds of GRPO steps with every feature on; is memory flat?")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--completion-len", type=int, default=128)
+    parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
+    parser.set_defaults(func=run)

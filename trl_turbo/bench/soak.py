@@ -155,7 +155,7 @@ def build_soak_trainer(path: Path, steps: int, completion_len: int) -> Any:
     return vllm_checks.build_trainer(
         "llama", path, steps=steps, completion_cap=completion_len, model_shape=SOAK_MODEL,
         gradient_checkpointing=True, turbo_memory_plan="min", turbo_tiled_mlp_tokens=256,
-        turbo_forward_token_budget=512, logging_steps=1)
+        turbo_forward_token_budget=1024, logging_steps=1)
 
 
 def run(args: argparse.Namespace) -> None:

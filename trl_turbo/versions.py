@@ -27,7 +27,7 @@ SUPPORTED_OPTIONAL: dict[str, tuple[str, str]] = {
 # every version in this range is GPU-verified (the minors below) or keeps its API generation's contract
 # (`vllm_contract`, checked on the installed sources at config time).
 VLLM_ENGINE: dict[str, tuple[str, str]] = {"vllm": ("0.24.0", "0.28.0")}
-VLLM_GPU_VERIFIED: tuple[str, ...] = ("0.24", "0.26")
+VLLM_GPU_VERIFIED: tuple[str, ...] = ("0.24", "0.25", "0.26")
 
 
 def importable(module: str) -> bool:

@@ -190,7 +190,7 @@ def test_verdicts(tmp_path):
     assert accepted.error is None and "0.27.1 is not GPU-verified" in accepted.notice
     refused = verdict("0.29.0", broken)
     assert refused.notice is None and "vllm==0.29.0 changed" in refused.error
-    assert "post_kv_cache_wake_up is missing" in refused.error and "GPU-verified: 0.24.x, 0.26.x" in refused.error
+    assert "post_kv_cache_wake_up is missing" in refused.error and "GPU-verified: 0.24.x, 0.25.x, 0.26.x" in refused.error
     assert "outside the range TRL 1.16 supports" in verdict("0.33.0", good).error
     assert "not installed" in verdict(None, None).error
 
@@ -206,7 +206,7 @@ def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm
     from trl_turbo import versions
 
     good = _tree(tmp_path, FAKE_0_25)
-    monkeypatch.setattr(versions, "installed_version", lambda package: "0.25.1" if package == "vllm" else "0.21.0")
+    monkeypatch.setattr(versions, "installed_version", lambda package: "0.27.1" if package == "vllm" else "0.21.0")
     monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: good)
     vllm_contract._installed_verdict.cache_clear()
     monkeypatch.setattr("trl_turbo.config._noticed", set())
@@ -229,7 +229,7 @@ def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, m
     monkeypatch.setattr(versions, "installed_version", lambda package: "0.30.0" if package == "vllm" else "0.21.0")
     monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: broken)
     vllm_contract._installed_verdict.cache_clear()
-    with pytest.raises(ValueError, match=r"vllm==0.30.0 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.26.x"):
+    with pytest.raises(ValueError, match=r"vllm==0.30.0 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.25.x, 0.26.x"):
         _grpo_config(turbo_vllm_shared_weights=True)
     vllm_contract._installed_verdict.cache_clear()
 

@@ -45,13 +45,17 @@ def main() -> int:
         print(f"vllm {version}: {fetch(version)}")
     if options.check:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from trl_turbo.vllm_contract import check_sources
+        from trl_turbo.vllm_contract import broken_requirements, generation_for, verdict
 
         for folder in sorted(CACHE.iterdir()):
-            problems = check_sources(folder / "vllm")
-            print(f"vllm {folder.name}: " + ("keeps the contract" if not problems else f"{len(problems)} broken"))
-            for problem in problems:
-                print(f"  - {problem}")
+            generation = generation_for(folder.name)
+            broken = broken_requirements(folder / "vllm", generation.contract) if generation else []
+            judged = verdict(folder.name, folder / "vllm")
+            outcome = "refused" if judged.error else "accepted" + (", GPU-verified" if not judged.notice else "")
+            print(f"vllm {folder.name} (API generation {generation.name if generation else '-'}): {outcome}; "
+                  + ("keeps the contract" if not broken else f"{len(broken)} broken"))
+            for requirement, problem in broken:
+                print(f"  - {problem}" + (f" [only {requirement.feature}]" if requirement.feature else ""))
     return 0
 
 

@@ -490,7 +490,7 @@ def _validate_vllm(args: Any, installed: bool = True) -> None:
     if not installed:
         return
     from .versions import SUPPORTED_OPTIONAL, unsupported_reason
-    from .vllm_contract import installed_verdict
+    from .vllm_contract import FP8_SAMPLING, installed_verdict
 
     engine = installed_verdict()
     if engine.error is not None:
@@ -500,6 +500,11 @@ def _validate_vllm(args: Any, installed: bool = True) -> None:
         _notice_once(engine.notice)
         if args.turbo_rollout_check == "warn":
             args.turbo_rollout_check = "error"
+    lost = engine.why_unavailable(FP8_SAMPLING)
+    if args.turbo_vllm_sampling == "fp8" and lost is not None:
+        raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot run on this vLLM: {lost}. Use "
+                         "`turbo_vllm_sampling='merged'` or 'lora', or install a vLLM that keeps fp8 sampling "
+                         "(`pip install 'trl-turbo[vllm]'`).")
     reason = unsupported_reason({"peft": SUPPORTED_OPTIONAL["peft"]}) if args.turbo_vllm_shared_weights else None
     if reason is not None:
         raise ValueError(f"`turbo_vllm_shared_weights=True` reads the PEFT adapter's layers, tested with peft in "

@@ -10,7 +10,9 @@ sources come from `scripts/fetch_vllm_sources.py` (a git-ignored cache), and CI 
 trees. The installed vLLM is judged the same way (its sources found without importing it): a GPU-verified version
 runs as is; another version within TRL's range runs when its sources keep the contract, with a one-line notice and
 the rollout alarm raised to "error"; any other gets a config-time error naming the version, what broke, and the
-supported versions.
+supported versions. A requirement only one feature needs (`Requirement.feature`: vLLM's bitsandbytes loader for shared
+4-bit weights, its online fp8 layers for fp8 sampling) takes only that feature away where it breaks: 4-bit weights
+then go to vLLM as a separate 16-bit copy, and asking for fp8 sampling is a config-time error naming why.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class Requirement:
     body_has: tuple[str, ...] = ()  # identifiers/attributes its body must use
     body_lacks: tuple[str, ...] = ()  # identifiers, attributes or message fragments whose presence would change
     # what trl_turbo relies on
+    feature: str | None = None  # the one feature that needs it (None: every engine feature does)
+
+
+SHARED_4BIT = "shared 4-bit weights"
+FP8_SAMPLING = "fp8 sampling"
 
 
 # vLLM 0.24's generation: the adapter loader takes the model's mapper as is; allocations carry no sleep state.
@@ -67,11 +74,12 @@ CONTRACT_0_24: tuple[Requirement, ...] = (
                 ("prompts", "sampling_params", "use_tqdm", "lora_request")),
     Requirement("shared 4-bit weights: the loader fed the training model's bytes",
                 "model_executor/model_loader/bitsandbytes_loader.py",
-                "BitsAndBytesModelLoader._get_quantized_weights_iterator", ("model_name_or_path", "revision")),
+                "BitsAndBytesModelLoader._get_quantized_weights_iterator", ("model_name_or_path", "revision"),
+                feature=SHARED_4BIT),
     Requirement("fp8 sampling: online per-tensor fp8 linear layers", "model_executor/layers/quantization/online/fp8.py",
-                "Fp8PerTensorOnlineLinearMethod"),
+                "Fp8PerTensorOnlineLinearMethod", feature=FP8_SAMPLING),
     Requirement("fp8 sampling: `quantization='fp8'` without a checkpoint", "model_executor/layers/quantization/fp8.py",
-                "Fp8Config", body_lacks=("fp8_per_tensor",)),
+                "Fp8Config", body_lacks=("fp8_per_tensor",), feature=FP8_SAMPLING),
 )
 
 
@@ -181,11 +189,16 @@ def check_requirement(package: Path, requirement: Requirement,
     return None
 
 
-def check_sources(package: Path, contract: tuple[Requirement, ...] = CONTRACT) -> list[str]:
-    """Every requirement of `contract` that the vLLM sources at `package` (the `vllm` directory) break."""
+def broken_requirements(package: Path, contract: tuple[Requirement, ...] = CONTRACT) -> list[tuple[Requirement, str]]:
+    """Every requirement of `contract` that the vLLM sources at `package` (the `vllm` directory) break, with why."""
     parsed: dict[Path, ast.Module] = {}
-    return [problem for requirement in contract
+    return [(requirement, problem) for requirement in contract
             if (problem := check_requirement(package, requirement, parsed)) is not None]
+
+
+def check_sources(package: Path, contract: tuple[Requirement, ...] = CONTRACT) -> list[str]:
+    """Why each requirement of `contract` that the vLLM sources at `package` break is broken."""
+    return [problem for _, problem in broken_requirements(package, contract)]
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,11 @@ class Verdict:
     version: str | None
     error: str | None = None
     notice: str | None = None
+    unavailable: tuple[tuple[str, str], ...] = ()  # (feature, why) for each feature this version cannot serve
+
+    def why_unavailable(self, feature: str) -> str | None:
+        """Why this vLLM cannot serve `feature` (None: it can, as far as the contract says)."""
+        return next((why for name, why in self.unavailable if name == feature), None)
 
 
 def installed_vllm_package() -> Path | None:
@@ -222,13 +240,22 @@ def verdict(version: str | None, package: Path | None) -> Verdict:
     if package is None:
         return Verdict(version, error=f"vllm=={version}: its sources were not found to check ({supported})")
     generation = generation_for(version)
-    problems = check_sources(package, generation.contract) if generation else ["older than any API generation"]
+    if generation is None:
+        return Verdict(version, error=f"vllm=={version} is older than any API generation. Supported: {supported}")
+    broken = broken_requirements(package, generation.contract)
+    problems = [problem for requirement, problem in broken if requirement.feature is None]
     if problems:
         return Verdict(version, error=f"vllm=={version} changed what trl_turbo's engine code relies on: "
                                       + "; ".join(problems) + f". Supported: {supported}")
+    unavailable: dict[str, str] = {}
+    for requirement, problem in broken:
+        unavailable.setdefault(requirement.feature, f"vllm=={version}: {problem}")
+    kept = ("every requirement trl_turbo checks" if not unavailable else
+            "every requirement trl_turbo checks except those of "
+            + "; ".join(f"{feature} ({why})" for feature, why in unavailable.items()))
     return Verdict(version, notice=f"vllm=={version} is not GPU-verified with trl_turbo's engine features "
-                                   f"({supported}); its sources keep every requirement trl_turbo checks, so they "
-                                   "run, with turbo_rollout_check raised from 'warn' to 'error'.")
+                                   f"({supported}); its sources keep {kept}, so they run, with turbo_rollout_check "
+                                   "raised from 'warn' to 'error'.", unavailable=tuple(unavailable.items()))
 
 
 @functools.lru_cache(maxsize=4)

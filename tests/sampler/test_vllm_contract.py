@@ -219,6 +219,68 @@ def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm
     assert config.turbo_rollout_check == "error" and again.turbo_rollout_check == "off"
 
 
+def _without_bitsandbytes() -> dict[str, str]:
+    return {k: v for k, v in FAKE_0_25.items() if "bitsandbytes" not in k}  # vLLM 0.28: bitsandbytes removed
+
+
+def _with_fp8_refused() -> dict[str, str]:
+    files = dict(FAKE_0_25)
+    path = "model_executor/layers/quantization/fp8.py"
+    files[path] = files[path].replace("self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized",
+                                      "raise ValueError('use --quantization fp8_per_tensor')")
+    return files
+
+
+def test_a_feature_requirement_takes_away_only_that_feature(tmp_path):
+    judged = verdict("0.28.0", _tree(tmp_path / "no-bnb", _without_bitsandbytes()))
+    assert judged.error is None and "except those of shared 4-bit weights" in judged.notice
+    assert "bitsandbytes_loader.py is missing" in judged.why_unavailable(vllm_contract.SHARED_4BIT)
+    assert judged.why_unavailable(vllm_contract.FP8_SAMPLING) is None
+    judged = verdict("0.27.1", _tree(tmp_path / "no-fp8", _with_fp8_refused()))
+    assert judged.error is None and "fp8_per_tensor" in judged.why_unavailable(vllm_contract.FP8_SAMPLING)
+    # a requirement every feature needs still refuses the version
+    files = _without_bitsandbytes()
+    del files["v1/worker/gpu_model_runner.py"]
+    judged = verdict("0.28.0", _tree(tmp_path / "no-runner", files))
+    assert judged.error is not None and "gpu_model_runner.py is missing" in judged.error
+
+
+def _as_installed(monkeypatch, version: str, package: Path) -> None:
+    from trl_turbo import versions
+
+    monkeypatch.setattr(versions, "installed_version", lambda name: version if name == "vllm" else "0.21.0")
+    monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: package)
+    monkeypatch.setattr("trl_turbo.config._noticed", set())
+    vllm_contract._installed_verdict.cache_clear()
+
+
+def test_fp8_sampling_is_refused_where_the_vllm_cannot_serve_it(tmp_path, monkeypatch):
+    _as_installed(monkeypatch, "0.27.1", _tree(tmp_path, _with_fp8_refused()))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert _grpo_config(turbo_vllm_shared_weights=True).turbo_rollout_check == "error"
+            with pytest.raises(ValueError, match=r"turbo_vllm_sampling='fp8'.*cannot run on this vLLM.*fp8_per_tensor"):
+                _grpo_config(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8")
+    finally:
+        vllm_contract._installed_verdict.cache_clear()
+
+
+def test_4bit_weights_go_as_a_separate_copy_where_the_vllm_has_no_bitsandbytes(tmp_path, monkeypatch):
+    from trl_turbo.vllm.sharing import copy_reasons
+
+    nf4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_quant_storage": "uint8"}
+    _as_installed(monkeypatch, "0.26.0", _tree(tmp_path / "verified", FAKE_0_25))
+    assert copy_reasons(nf4, "llama") == []
+    _as_installed(monkeypatch, "0.28.0", _tree(tmp_path / "no-bnb", _without_bitsandbytes()))
+    try:
+        reasons = copy_reasons(nf4, "llama")
+        assert len(reasons) == 1 and "cannot load 4-bit weights" in reasons[0] and "0.28.0" in reasons[0]
+        assert copy_reasons(None, "llama") == []  # 16-bit weights are still shared
+    finally:
+        vllm_contract._installed_verdict.cache_clear()
+
+
 def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, monkeypatch):
     from trl_turbo import versions
 
@@ -238,11 +300,18 @@ CACHE = Path(__file__).resolve().parents[2] / ".cache" / "vllm-sources"
 
 
 @pytest.mark.skipif(not (CACHE / "0.24.0" / "vllm").is_dir(), reason="run scripts/fetch_vllm_sources.py first")
-def test_real_sources_keep_their_generation_contract_up_to_0_27():
-    kept = {}
-    for version in sorted(path.name for path in CACHE.iterdir() if (path / "vllm").is_dir()):
-        kept[version] = not check_sources(CACHE / version / "vllm", generation_for(version).contract)
-    assert kept["0.24.0"]
-    expected = {"0.24.0": True, "0.25.1": True, "0.26.0": True, "0.27.1": True, "0.28.0": False, "0.29.0": False,
+def test_real_sources_keep_their_generation_contract_up_to_0_28():
+    versions = sorted(path.name for path in CACHE.iterdir() if (path / "vllm").is_dir())
+    kept = {version: check_sources(CACHE / version / "vllm", generation_for(version).contract) for version in versions}
+    assert kept["0.24.0"] == []
+    judged = {version: verdict(version, CACHE / version / "vllm") for version in versions}
+    accepted = {version: judged[version].error is None for version in versions}
+    expected = {"0.24.0": True, "0.25.1": True, "0.26.0": True, "0.27.1": True, "0.28.0": True, "0.29.0": False,
                 "0.30.0": False, "0.31.0": False}
-    assert {v: kept[v] for v in kept if v in expected} == {v: expected[v] for v in kept if v in expected}
+    assert {v: accepted[v] for v in versions if v in expected} == {v: expected[v] for v in versions if v in expected}
+    for version in ("0.25.1", "0.26.0", "0.27.1"):
+        if version in kept:
+            assert kept[version] == [], (version, kept[version])
+    if "0.28.0" in judged:  # vLLM 0.28 dropped bitsandbytes: 4-bit weights go as a separate copy, the rest runs
+        assert [name for name, _ in judged["0.28.0"].unavailable] == [vllm_contract.SHARED_4BIT]
+        assert "bitsandbytes_loader.py is missing" in judged["0.28.0"].notice

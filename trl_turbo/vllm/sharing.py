@@ -2,7 +2,8 @@
 
 Design decision: with `turbo_vllm_shared_weights`, a model whose weights vLLM cannot hold in a layout the training
 model could view (a model type whose layout trl_turbo does not map, 8-bit or non-uint8 4-bit bitsandbytes layers,
-layers transformers and vLLM would quantize differently) is not refused: vLLM holds a separate 16-bit copy of the
+layers transformers and vLLM would quantize differently, 4-bit weights on a vLLM without its bitsandbytes loader) is
+not refused: vLLM holds a separate 16-bit copy of the
 base weights, made from the training model's own weights (dequantized where quantized), and the adapter still goes
 to vLLM as tensors. The reasons are named once at config time, before the model loads (`copy_reasons`, a warning),
 and the mode is decided once per engine from the loaded model and its config (`sharing_mode`), so every rank of a
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from ..families import SHARED_WEIGHT_MODEL_TYPES
+from ..vllm_contract import SHARED_4BIT, installed_verdict
 from .dequantized import unsupported_quantization
 from .quantized import layout_problems, quantization_config_dict, sharing_problems
 
@@ -40,7 +42,7 @@ class Sharing:
 
 def copy_reasons(quantization: Mapping[str, Any] | None, model_type: str | None) -> list[str]:
     """Why a model of `model_type` quantized with `quantization` (None: 16-bit) cannot share its base weights with
-    vLLM (empty: it can). Raises ValueError for a model no copy can serve."""
+    vLLM (empty: it can), the installed vLLM's abilities included. Raises ValueError for a model no copy can serve."""
     reasons = []
     if quantization is not None:
         problem = unsupported_quantization(quantization)
@@ -48,6 +50,9 @@ def copy_reasons(quantization: Mapping[str, Any] | None, model_type: str | None)
             raise ValueError(f"`turbo_vllm_shared_weights=True` can neither share nor copy this model's weights: "
                              f"{problem}; or set `turbo_vllm_shared_weights=False`.")
         reasons += sharing_problems(quantization)
+        lost = installed_verdict().why_unavailable(SHARED_4BIT)
+        if not reasons and lost is not None:
+            reasons.append(f"this vLLM cannot load 4-bit weights ({lost})")
     if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
         reasons.append(f"the model type {model_type!r} is not one whose vLLM layout trl_turbo maps "
                        f"({', '.join(SHARED_WEIGHT_MODEL_TYPES)})")

@@ -31,8 +31,7 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
     budget = min(budget, planned_group_tokens(trainer, length) or budget)
-    per_group = max(1, budget // length)
-    count = -(-sequences // per_group) if sequences * length > budget else 1
+    count = group_count(sequences, length, budget)
     if not rows_are_sequences(inputs, sequences):
         count = 0  # this micro-batch cannot be split (its rank still takes part in the agreement below)
     if trainer.accelerator.num_processes > 1:
@@ -45,6 +44,14 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     for index in range(count):
         bounds.append(bounds[-1] + size + (1 if index < larger else 0))
     return [slice(start, end) for start, end in zip(bounds, bounds[1:])]
+
+
+def group_count(sequences: int, length: int, budget: int) -> int:
+    """How many groups of whole sequences of `length` tokens keep each group within `budget` tokens (a sequence
+    longer than the budget is a group of its own); 1: the micro-batch fits as it is."""
+    if sequences * length <= budget:
+        return 1
+    return min(sequences, -(-sequences // max(1, budget // length)))
 
 
 # Groups the memory plan asks for are at least this many tokens. Measured (H200, Llama-3.1-8B shape, e2e realistic

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS
+from ..grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS, group_count
 from ..offload.memory_plan import (
     HEAD_HIDDEN_STATES,
     LayerPlan,
@@ -71,11 +71,7 @@ def layer_states(spec: ModelSpec, quantized_4bit: bool) -> tuple[float, float]:
 
 def token_groups(batch: MicroBatch, budget: int | None) -> tuple[int, int]:
     """(sequences per group, groups) of `grpo.sequence_groups` for a token budget (None: one forward)."""
-    tokens = batch.sequences * batch.sequence_tokens
-    if budget is None or tokens <= budget:
-        return batch.sequences, 1
-    per_group = max(1, budget // batch.sequence_tokens)
-    count = min(batch.sequences, -(-batch.sequences // per_group))
+    count = 1 if budget is None else group_count(batch.sequences, batch.sequence_tokens, budget)
     return -(-batch.sequences // count), count
 
 

@@ -1,5 +1,5 @@
 """The host memory available now: one reading shared by checkpoint offload's budget and merged sampling's host copy,
-and offload's default budget per training process."""
+offload's default budget per training process, and the floor of available memory offload never pins below."""
 
 from __future__ import annotations
 
@@ -12,16 +12,36 @@ _GIB = 2**30
 OFFLOAD_HOST_FRACTION = 0.8
 
 
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); elsewhere the OS's count of available pages."""
+# Host memory checkpoint offload leaves available, as a share of the host's total: a pool stops growing below it
+OFFLOAD_HOST_FLOOR_FRACTION = 0.05
+
+
+def _meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); elsewhere the OS's count of available pages."""
+    found = _meminfo("MemAvailable")
+    return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def total_host_bytes() -> int:
+    """MemTotal from /proc/meminfo (Linux); elsewhere the OS's count of physical pages."""
+    found = _meminfo("MemTotal")
+    return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def offload_host_floor_bytes() -> int:
+    """The host memory checkpoint offload leaves available: `OFFLOAD_HOST_FLOOR_FRACTION` of the host's total."""
+    return int(total_host_bytes() * OFFLOAD_HOST_FLOOR_FRACTION)
 
 
 def offload_budget_bytes(budget_gib: float | None) -> int:

@@ -77,3 +77,31 @@ def test_processes_of_one_host_share_the_default_offload_budget(monkeypatch):
     each = host_memory.offload_budget_bytes(None)
     assert each * 8 <= alone and each == alone // 8
     assert host_memory.offload_budget_bytes(2.5) == int(2.5 * (1 << 30))  # an explicit budget is per process
+
+
+def test_the_pool_stops_growing_above_the_host_floor_with_one_warning(monkeypatch):
+    chunk = 1 << 20
+    available = {"bytes": 64 * chunk}
+    monkeypatch.setattr(pinned_pool, "available_host_bytes", lambda: available["bytes"])
+    pool = PinnedPool(budget_bytes=1 << 40, chunk_bytes=chunk, pin=False, host_floor_bytes=32 * chunk)
+    first = pool.acquire(8 * chunk)
+    assert first is not None and pool.allocated_bytes == 8 * chunk
+    available["bytes"] = 36 * chunk  # something else took the host's memory since
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pool.acquire(8 * chunk) is None  # 36 - 8 would leave less than the 32-chunk floor
+        assert pool.acquire(2 * chunk) is not None  # 36 - 2 still leaves it
+        assert pool.acquire(8 * chunk) is None
+    low = [w for w in caught if "under the" in str(w.message)]
+    assert len(low) == 1 and "stay on the GPU" in str(low[0].message)
+    pool.release(first)
+    assert pool.acquire(8 * chunk) is not None  # reusing chunks it holds needs no new host memory
+
+
+def test_checkpoint_offload_keeps_the_hosts_floor(monkeypatch):
+    from trl_turbo import host_memory
+    from trl_turbo.offload import CheckpointOffloader
+
+    monkeypatch.setattr(host_memory, "total_host_bytes", lambda: 200 << 30)
+    offloader = CheckpointOffloader(1 << 30)
+    assert offloader.pool.host_floor_bytes == int(0.05 * (200 << 30))

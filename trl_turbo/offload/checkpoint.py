@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ..host_memory import offload_host_floor_bytes
 from .pinned_pool import DEFAULT_CHUNK_BYTES, HostBlocks, PinnedPool
 
 _recomputing: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_turbo_recomputing", default=False)
@@ -92,7 +93,8 @@ class CheckpointOffloader:
 
     def __init__(self, host_budget_bytes: int, *, min_bytes: int = 1 << 20,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        self.pool = PinnedPool(host_budget_bytes, chunk_bytes=chunk_bytes, pin=torch.cuda.is_available())
+        self.pool = PinnedPool(host_budget_bytes, chunk_bytes=chunk_bytes, pin=torch.cuda.is_available(),
+                               host_floor_bytes=offload_host_floor_bytes())
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
         # Weak: the autograd graph owns the slots; a graph dropped without backward frees them (and their buffers)

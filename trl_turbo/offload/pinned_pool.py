@@ -6,7 +6,10 @@ PyTorch's pinned allocator (`pin_memory=True`) rounds every request up to a powe
 power-of-two chunk is allocated exactly. Equal chunks also make the pool a plain free list: any checkpoint fits any
 free chunks, sizes changing with every completion length never fragment it, and the pool's byte count is what the
 host really holds. When the budget is reached, `acquire` returns None and the caller keeps that checkpoint on the
-device. If page-locking fails, pageable chunks are used with one warning (their copies do not overlap compute).
+device. If page-locking fails, pageable chunks are used with one warning (their copies do not overlap compute). A
+pool with a host floor also stops growing, with one warning, when the host's available memory would fall below the
+floor (other ranks, data workers or anything else on the host took it since the budget was set): that checkpoint
+stays on the device rather than the process risking the kernel's out-of-memory killer.
 
 A chunk handed back after a host-to-device copy carries that copy's CUDA event. The next device-to-host copy into
 it waits for the event on its own stream, so reuse never blocks the host.
@@ -19,6 +22,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
+from ..host_memory import available_host_bytes
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -67,9 +72,10 @@ class PinnedPool:
     """Pinned host chunks: `acquire(nbytes)` → HostBlocks or None (over budget); `release(blocks, ready_event)`."""
 
     def __init__(self, budget_bytes: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, pin: bool = True,
-                 purpose: str = "checkpoint offload", remedy: str = OFFLOAD_REMEDY) -> None:
+                 purpose: str = "checkpoint offload", remedy: str = OFFLOAD_REMEDY,
+                 host_floor_bytes: int | None = None) -> None:
         """`purpose` and `remedy` name the user of the pool and what to do in the one warning a pinning failure
-        gives."""
+        gives; `host_floor_bytes`: the host memory growth must leave available (None: no check)."""
         if chunk_bytes <= 0 or chunk_bytes & (chunk_bytes - 1):
             raise ValueError(f"chunk_bytes must be a power of two, got {chunk_bytes}")
         self.budget_bytes = budget_bytes
@@ -77,18 +83,39 @@ class PinnedPool:
         self.pin = pin
         self.purpose, self.remedy = purpose, remedy
         self.allocated_bytes = 0
+        self.host_floor_bytes = host_floor_bytes
         self._free: list[_Chunk] = []
         self._warned = False
+        self._warned_low = False
 
     def acquire(self, nbytes: int) -> HostBlocks | None:
         needed = max(1, math.ceil(nbytes / self.chunk_bytes))
         missing = max(0, needed - len(self._free))
         if self.allocated_bytes + missing * self.chunk_bytes > self.budget_bytes:
             return None
+        if missing and self._host_too_low(missing * self.chunk_bytes):
+            return None
         chunks = [self._free.pop() for _ in range(needed - missing)]
         chunks += [_Chunk(self._allocate()) for _ in range(missing)]
         self.allocated_bytes += missing * self.chunk_bytes
         return HostBlocks(chunks, nbytes)
+
+    def _host_too_low(self, growth: int) -> bool:
+        if self.host_floor_bytes is None:
+            return False
+        available = available_host_bytes()
+        if available - growth >= self.host_floor_bytes:
+            return False
+        if not self._warned_low:
+            warnings.warn(
+                f"trl_turbo: the host has {available / 2**30:.2f} GiB available, under the "
+                f"{self.host_floor_bytes / 2**30:.2f} GiB {self.purpose} leaves free; the pool stops growing at "
+                f"{self.allocated_bytes / 2**30:.2f} GiB and further checkpoints stay on the GPU. {self.remedy}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._warned_low = True
+        return True
 
     def release(self, blocks: HostBlocks, ready: torch.cuda.Event | None = None) -> None:
         for chunk in blocks.chunks:

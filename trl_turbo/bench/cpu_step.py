@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> None:
                 samples[variant] += child["step_s_all"]
         for variant in VARIANTS:
             rows.append({"variant": variant, "model": args.model, "vocab": vocab, "completion_len": args.completion_len,
-                         "ok": True, "step_s": statistics.median(samples[variant]), "steps_timed": len(samples[variant]),
-                         "step_s_all": samples[variant]})
+                         "ok": True, "step_s": statistics.median(samples[variant]),
+                         "steps_timed": len(samples[variant]), "step_s_all": samples[variant]})
         stock, turbo = rows[-2]["step_s"], rows[-1]["step_s"]
         print(f"vocab {vocab}: stock {stock:.3f} s, turbo {turbo:.3f} s per step ({turbo / stock:.3f}x)")
     meta = metadata("cpu-step", _cpu(), {"model": args.model, "steps": args.steps, "repeats": args.repeats,

@@ -2,8 +2,9 @@
 
 Design decision: the architecture is Gemma 3 (``Gemma3ForConditionalGeneration``: a SigLIP vision tower, an average-
 pooling projector and the ``gemma3_text`` decoder) because it is one of the families TRL's GRPOTrainer feeds images to
-and the only one of those whose processor can be built here: Qwen2-VL/Qwen2.5-VL and SmolVLM processors require a
-video processor, which needs torchvision (not installed), and Idefics3's image splitting adds nothing to measure.
+and the simplest of those whose processor can be built here: the Qwen2-VL, Qwen2.5-VL and SmolVLM processors require a
+video processor, which needs torchvision (not installed); Idefics3's would do, but it tiles every image, processor
+work that adds nothing to measure here.
 The processor is ``Gemma3Processor`` over the testbed tokenizer (:mod:`trl_turbo.testing.tokenizer`) with Gemma 3's
 three image tokens added by name, and the PIL-backed ``Gemma3ImageProcessorPil`` with explicit arguments (56×56
 images, 4×4 patches of 14 pixels pooled to ``IMAGE_TOKENS`` = 4 soft tokens per image); the chat template is the
@@ -33,7 +34,11 @@ from trl_turbo.testing.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
 IMAGE_TOKENS = 4  # (56 / 14)² = 16 patches, average-pooled 2×2 into 4 soft tokens
-IMAGE_TOKEN_NAMES = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+IMAGE_TOKEN_NAMES = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
 QWEN_VOCAB = 151_936
 
 CHAT_TEMPLATE = (

@@ -283,3 +283,35 @@ def test_train_qlora(tmp_path):
     assert data["config"]["quantization"]["load_in_4bit"] == "True"
     assert {row["quantization"] for row in data["rows"]} == {"nf4"} and all(row["ok"] for row in data["rows"])
     assert "| nf4 | 2 | 4 | 8 |" in results.render_table(tmp_path)
+
+
+# -------------------------------------------------------------------------------------------------- cpu-step
+@needs_turbo
+def test_cpu_step_vlm_step_with_the_import(tmp_path):
+    """One GRPO step of the tiny Gemma 3 VLM with trl_turbo patched in: the pictures reach the vision tower when
+    sampling and in the training forward, and the step completes (any error in the VLM path raises here). A small
+    vocabulary: under pytest trl_turbo's Triton kernels run in the interpreter, far too slow for 151,936 tokens."""
+    import trl_turbo
+    from trl_turbo.bench import cpu_step
+
+    assert trl_turbo.patch()
+    trainer = cpu_step.build_trainer("tiny-vlm", 512, str(tmp_path), steps=1, completion_len=8)
+    assert trainer._is_vlm and "image" in trainer.train_dataset.column_names
+    vision_calls = []
+    trainer.model.model.vision_tower.register_forward_hook(lambda module, args, output: vision_calls.append(module))
+    trainer.train()
+    assert trainer.state.global_step == 1 and trl_turbo.is_patched()
+    assert len(vision_calls) >= 2  # generation's prefill and the loss forward
+    logged = trainer.state.log_history[0]
+    assert logged["completions/mean_length"] > 0 and torch.isfinite(torch.tensor(logged["loss"]))
+
+
+@needs_turbo
+@pytest.mark.parametrize("variant", ["stock", "turbo"])
+def test_cpu_step_child_runs_its_variant(variant):
+    """The child is started inside trl_turbo's package (whose import patches TRL): stock must train unpatched."""
+    from trl_turbo.bench import cpu_step
+
+    child = cpu_step.run_child(variant, "tiny-llama", vocab=64, steps=0, completion_len=4)
+    assert child["patched"] is (variant == "turbo")
+    assert child["steps_run"] == 1 and child["step_s_all"] == [] and child["step_s"] is None

@@ -165,3 +165,34 @@ def test_grpo_trainer_one_step(tmp_path: Path) -> None:
     assert trainer.state.global_step == 1
     logged = next(entry for entry in trainer.state.log_history if "reward" in entry)
     assert math.isfinite(logged["reward"]) and 0 < logged["completions/mean_length"] <= 8
+
+
+def test_named_tokens_follow_the_vocabulary() -> None:
+    names = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = build_tokenizer(names)
+    plain = build_tokenizer()
+    assert (tokenizer.boi_token_id, tokenizer.image_token_id, len(tokenizer)) == (len(VOCAB), len(VOCAB) + 1,
+                                                                                  len(VOCAB) + 2)
+    assert tokenizer("<start_of_image>12=")["input_ids"] == [len(VOCAB)] + plain("12=")["input_ids"]
+    assert tokenizer.decode([len(VOCAB), *plain("7")["input_ids"]], skip_special_tokens=True) == "7"
+    with pytest.raises(ValueError, match="_token"):
+        build_tokenizer({"boi": "<b>"})
+
+
+def test_tiny_vlm_processor_and_forward() -> None:
+    from trl_turbo.testing import vlm
+
+    processor = vlm.build_vlm_processor()
+    prompt = [{"role": "user", "content": [{"type": "image", "image": vlm.random_images(1)[0]},
+                                           {"type": "text", "text": "1+2="}]}]
+    inputs = processor.apply_chat_template([prompt], add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    assert ids.count(processor.tokenizer.image_token_id) == vlm.IMAGE_TOKENS
+    assert inputs["pixel_values"].shape == (1, 3, vlm.IMAGE_SIZE, vlm.IMAGE_SIZE)
+    model = vlm.tiny_vlm(processor, vocab_size=64)
+    assert model.config.image_token_id == processor.tokenizer.image_token_id
+    logits = model(**inputs).logits
+    assert logits.shape == (1, len(ids), 64) and torch.isfinite(logits).all()
+    dataset = vlm.image_dataset(3)
+    assert dataset.column_names == ["prompt", "answer", "image"] and dataset[0]["image"].size == (56, 56)

@@ -1,4 +1,5 @@
-"""Offline test bed: a tiny character-level chat tokenizer and tiny random-weight models of real architectures.
+"""Offline test bed: a tiny character-level chat tokenizer and tiny random-weight models of real architectures
+(text-only in :mod:`.models`, a vision-language model with its processor in :mod:`.vlm`).
 
 Design decision: nothing here touches the Hugging Face Hub, so tests, examples and benchmarks run without network and
 reproduce bit-for-bit from a seed.

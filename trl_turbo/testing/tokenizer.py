@@ -9,10 +9,15 @@ for GRPO to learn the format within a few dozen steps. The answer tags are not s
 completions with ``skip_special_tokens=True``, which would otherwise strip them before the reward functions see them.
 Characters are spelled byte-level (space is ``Ġ``) and the tags are added tokens, so the saved tokenizer encodes the
 same when ``AutoTokenizer`` reloads it as a model-specific class that rebuilds a byte-level BPE pipeline (transformers
-5 does this for ``qwen2`` directories). Characters outside the vocabulary encode to ``<unk>``.
+5 does this for ``qwen2`` directories). Characters outside the vocabulary encode to ``<unk>``. A vision-language
+processor can ask for named special tokens (e.g. Gemma 3's ``boi_token``/``image_token``/``eoi_token``): they get the
+ids after ``VOCAB``, so every text-only id stays as it is, and become attributes (``tokenizer.boi_token_id``) the way
+transformers exposes a model's own named tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -37,13 +42,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Return the testbed tokenizer (vocab size ``len(VOCAB)``, chat template, pad/bos/eos set, left padding)."""
+def build_tokenizer(named_tokens: Mapping[str, str] | None = None) -> PreTrainedTokenizerFast:
+    """Return the testbed tokenizer (vocab size ``len(VOCAB)``, chat template, pad/bos/eos set, left padding).
+
+    ``named_tokens`` (attribute name ending in ``_token`` -> token text) adds special tokens with ids from
+    ``len(VOCAB)`` on, in the mapping's order, reachable as ``tokenizer.<name>`` and ``tokenizer.<name>_id``.
+    """
+    named_tokens = dict(named_tokens or {})
+    if not all(name.endswith("_token") for name in named_tokens):
+        raise ValueError(f"named token attributes must end in '_token', got {sorted(named_tokens)}")
     vocab = {token: index for index, token in enumerate(VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # The tags are registered as added tokens so they stay atomic even in tokenizer classes that rebuild the
     # pre-tokenizer on load; every other character (newline included) is its own piece.
     backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in (ANSWER_OPEN, ANSWER_CLOSE)])
+    backend.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in named_tokens.values()])
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
@@ -60,6 +73,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         additional_special_tokens=list(ROLE_TOKENS),
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        **named_tokens,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -355,6 +355,39 @@ def curve_run(arch: str, path: Path, sampling: str, vllm_seed_offset: int = 0, s
             "logp_gap": series("sampling/sampling_logp_difference/mean")}
 
 
+RESUME_STEPS, RESUME_AT = 6, 3
+
+
+def resume_run(arch: str, path: Path, phase: str) -> dict[str, Any]:
+    """One phase of the resume check, with shared weights, standby and merged sampling: "whole" trains
+    `RESUME_STEPS` steps saving at `RESUME_AT`; "first" stops after saving there; "resumed" builds a new trainer
+    (and engine) over the same directory and resumes from that checkpoint. Transformers restores the CUDA RNG state
+    the checkpoint saved, which vLLM's unseeded sampling draws from, so the resumed run can sample what the
+    uninterrupted one did. Returns the per-step loss, reward and grad norm, and which frozen matrices changed."""
+    from transformers import TrainerCallback
+
+    with eager_engines():
+        trainer = build_trainer(arch, path, steps=RESUME_STEPS, completion_cap=16, save_strategy="steps",
+                                save_steps=RESUME_AT)
+    before = frozen_snapshot(trainer)
+    if phase == "first":
+        class StopAtSave(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if state.global_step == RESUME_AT:
+                    control.should_training_stop = True
+
+        trainer.add_callback(StopAtSave())
+        trainer.train()
+    elif phase == "resumed":
+        trainer.train(resume_from_checkpoint=str(Path(trainer.args.output_dir) / f"checkpoint-{RESUME_AT}"))
+    else:
+        trainer.train()
+    curves = {str(log["step"]): {key: log[key] for key in ("loss", "reward", "grad_norm")}
+              for log in trainer.state.log_history if "loss" in log and "grad_norm" in log}
+    return {"arch": arch, "phase": phase, "sampling": sampling_mode(trainer), "curves": curves,
+            "global_step": trainer.state.global_step, "changed_base_matrices": changed_matrices(trainer, before)}
+
+
 def rollout_alarms(caught: list[Any]) -> int:
     """How many of the recorded warnings are the rollout sanity alarm."""
     return sum("do not come from the policy" in str(w.message) for w in caught)
@@ -398,7 +431,8 @@ def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 8) -> d
 def run_in_child(arch: str, workdir: Path, quantization: str | None = None, sampling: str = "auto",
                  *extra: str) -> dict[str, Any]:
     """Run this module's checks for ``arch`` in a fresh Python process (one vLLM engine per process) and return its
-    ``RESULT`` line; ``extra`` selects another check ("stale", or "curve" and a vLLM seed offset)."""
+    ``RESULT`` line; ``extra`` selects another check ("stale", "curve" and a vLLM seed offset, or "resume" and a
+    phase)."""
     import subprocess
 
     from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
@@ -425,6 +459,8 @@ if __name__ == "__main__":
     sampling = sys.argv[4] if len(sys.argv) > 4 else "auto"
     if sys.argv[5:] == ["stale"]:
         result = {"rank": rank, **stale_adapter_run(sys.argv[1], workdir, sampling)}
+    elif sys.argv[5:6] == ["resume"]:
+        result = {"rank": rank, **resume_run(sys.argv[1], workdir, sys.argv[6])}
     elif sys.argv[5:6] == ["curve"]:
         result = {"rank": rank, **curve_run(sys.argv[1], workdir, sampling, vllm_seed_offset=int(sys.argv[6]))}
     else:

@@ -129,8 +129,8 @@ def plot(rows: list[dict[str, Any]], series: Callable[[dict[str, Any]], str], pa
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, marker="o", label=name)
             failed = [row[x[0]] for row in rows if series(row) == name and not row["ok"]]
-            for x in failed:
-                ax.axvline(x, linestyle=":", alpha=0.4)
+            for position in failed:
+                ax.axvline(position, linestyle=":", alpha=0.4)
         ax.set_xlabel(x[1])
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

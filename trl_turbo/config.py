@@ -490,7 +490,7 @@ def _validate_vllm(args: Any, installed: bool = True) -> None:
     if not installed:
         return
     from .versions import SUPPORTED_OPTIONAL, unsupported_reason
-    from .vllm_contract import FP8_SAMPLING, installed_verdict
+    from .vllm_contract import FP8_KV_STANDBY, FP8_SAMPLING, installed_verdict
 
     engine = installed_verdict()
     if engine.error is not None:
@@ -505,6 +505,11 @@ def _validate_vllm(args: Any, installed: bool = True) -> None:
         raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot run on this vLLM: {lost}. Use "
                          "`turbo_vllm_sampling='merged'` or 'lora', or install a vLLM that keeps fp8 sampling "
                          "(`pip install 'trl-turbo[vllm]'`).")
+    lost = engine.why_unavailable(FP8_KV_STANDBY)
+    if args.turbo_vllm_kv_cache_dtype == "fp8" and args.turbo_vllm_standby and lost is not None:
+        raise ValueError(f"`turbo_vllm_kv_cache_dtype='fp8'` with `turbo_vllm_standby=True` cannot run on this vLLM: "
+                         f"{lost}. Keep the KV cache 16-bit (`turbo_vllm_kv_cache_dtype='auto'`), or install a vLLM "
+                         "that keeps it (`pip install 'trl-turbo[vllm]'`).")
     reason = unsupported_reason({"peft": SUPPORTED_OPTIONAL["peft"]}) if args.turbo_vllm_shared_weights else None
     if reason is not None:
         raise ValueError(f"`turbo_vllm_shared_weights=True` reads the PEFT adapter's layers, tested with peft in "

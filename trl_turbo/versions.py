@@ -26,7 +26,7 @@ SUPPORTED_OPTIONAL: dict[str, tuple[str, str]] = {
 # vLLM for the engine features (shared weights, standby, adapters from tensors), which use vLLM's worker internals:
 # every version in this range is GPU-verified (the minors below) or keeps its API generation's contract
 # (`vllm_contract`, checked on the installed sources at config time).
-VLLM_ENGINE: dict[str, tuple[str, str]] = {"vllm": ("0.24.0", "0.29.0")}
+VLLM_ENGINE: dict[str, tuple[str, str]] = {"vllm": ("0.24.0", "0.32.0")}
 VLLM_GPU_VERIFIED: tuple[str, ...] = ("0.24", "0.25", "0.26")
 
 

@@ -11,8 +11,9 @@ trees. The installed vLLM is judged the same way (its sources found without impo
 runs as is; another version within TRL's range runs when its sources keep the contract, with a one-line notice and
 the rollout alarm raised to "error"; any other gets a config-time error naming the version, what broke, and the
 supported versions. A requirement only one feature needs (`Requirement.feature`: vLLM's bitsandbytes loader for shared
-4-bit weights, its online fp8 layers for fp8 sampling) takes only that feature away where it breaks: 4-bit weights
-then go to vLLM as a separate 16-bit copy, and asking for fp8 sampling is a config-time error naming why.
+4-bit weights, its online fp8 layers for fp8 sampling, the runner's KV wake-up hook for an fp8 KV cache in standby)
+takes only that feature away where it breaks: 4-bit weights then go to vLLM as a separate 16-bit copy, and asking for
+the other two is a config-time error naming why.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Requirement:
 
 SHARED_4BIT = "shared 4-bit weights"
 FP8_SAMPLING = "fp8 sampling"
+FP8_KV_STANDBY = "an fp8 KV cache in standby"
 
 
 # vLLM 0.24's generation: the adapter loader takes the model's mapper as is; allocations carry no sleep state.
@@ -104,6 +106,23 @@ CONTRACT_0_25 = _replaced(
                  body_has=("is_asleep",)),)
 
 
+# vLLM 0.29's generation: the adapter loader renames (`get_rename_mapper`: renames only, stacked names kept apart), and
+# the runner's KV wake-up hook is gone (sleep moved into a backend). Standby skips the hook where it is missing: for a
+# 16-bit KV cache it did nothing; an fp8 KV cache needs its scales reset after a wake-up, which nothing here redoes, so
+# that one combination is taken away.
+CONTRACT_0_29: tuple[Requirement, ...] = _replaced(
+    CONTRACT_0_25, "WorkerLoRAManager._load_adapter",
+    Requirement("adapters from tensors: the LoRA manager's loader, wrapped per engine (mapper renames only)",
+                "lora/worker_manager.py", "WorkerLoRAManager._load_adapter", ("lora_request",),
+                body_has=("get_rename_mapper",)),
+)
+CONTRACT_0_29 = _replaced(
+    CONTRACT_0_29, "GPUModelRunner.post_kv_cache_wake_up",
+    Requirement("an fp8 KV cache in standby: the runner's reset of KV scales after a wake-up",
+                "v1/worker/gpu_model_runner.py", "GPUModelRunner.post_kv_cache_wake_up", feature=FP8_KV_STANDBY),
+)
+
+
 @dataclass(frozen=True)
 class ApiGeneration:
     """vLLM versions `[low, high)` that share what trl_turbo relies on, and the contract they keep."""
@@ -116,7 +135,8 @@ class ApiGeneration:
 
 GENERATIONS: tuple[ApiGeneration, ...] = (
     ApiGeneration("0.24", "0.24.0", "0.25.0", CONTRACT_0_24),
-    ApiGeneration("0.25", "0.25.0", "0.32.0", CONTRACT_0_25),
+    ApiGeneration("0.25", "0.25.0", "0.29.0", CONTRACT_0_25),
+    ApiGeneration("0.29", "0.29.0", "0.32.0", CONTRACT_0_29),
 )
 CONTRACT = CONTRACT_0_24  # the GPU-verified generation's
 

@@ -101,6 +101,17 @@ FAKE_0_25 = {
 }
 
 
+# vLLM 0.29's generation: the loader passes a rename-only mapper, the runner's KV wake-up hook is gone, and so is
+# bitsandbytes.
+FAKE_0_29 = {
+    **{k: v for k, v in FAKE_0_25.items() if "bitsandbytes" not in k},
+    "lora/worker_manager.py": FAKE_0_24["lora/worker_manager.py"].replace(
+        "model.hf_to_vllm_mapper", "model.hf_to_vllm_mapper.get_rename_mapper()"),
+    "v1/worker/gpu_model_runner.py": FAKE_0_24["v1/worker/gpu_model_runner.py"].replace(
+        "def post_kv_cache_wake_up(self):", "def other(self):"),
+}
+
+
 def _tree(root: Path, files: dict[str, str]) -> Path:
     package = root / "vllm"
     for relative, text in files.items():
@@ -155,6 +166,7 @@ def test_a_removed_file_and_open_keyword_arguments(tmp_path):
 def test_each_generation_has_its_own_contract(tmp_path):
     old, new = _tree(tmp_path / "old", FAKE_0_24), _tree(tmp_path / "new", FAKE_0_25)
     assert generation_for("0.24.1").name == "0.24" and generation_for("0.26.0").name == "0.25"
+    assert generation_for("0.28.0").name == "0.25" and generation_for("0.30.0").name == "0.29"
     assert check_sources(new, CONTRACT_0_25) == [] and check_sources(old, CONTRACT) == []
     assert any("get_unstacked_mapper" in problem for problem in check_sources(new, CONTRACT))
     assert any("get_unstacked_mapper" in problem for problem in check_sources(old, CONTRACT_0_25))
@@ -188,8 +200,8 @@ def test_verdicts(tmp_path):
         assert verdict(verified, None) == vllm_contract.Verdict(verified)
     accepted = verdict("0.27.1", good)
     assert accepted.error is None and "0.27.1 is not GPU-verified" in accepted.notice
-    refused = verdict("0.29.0", broken)
-    assert refused.notice is None and "vllm==0.29.0 changed" in refused.error
+    refused = verdict("0.28.0", broken)
+    assert refused.notice is None and "vllm==0.28.0 changed" in refused.error
     assert "post_kv_cache_wake_up is missing" in refused.error and "GPU-verified: 0.24.x, 0.25.x, 0.26.x" in refused.error
     assert "outside the range TRL 1.16 supports" in verdict("0.33.0", good).error
     assert "not installed" in verdict(None, None).error
@@ -229,6 +241,49 @@ def _with_fp8_refused() -> dict[str, str]:
     files[path] = files[path].replace("self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized",
                                       "raise ValueError('use --quantization fp8_per_tensor')")
     return files
+
+
+def test_the_0_29_generation_runs_without_the_kv_wake_up_hook_but_not_an_fp8_kv_cache_in_standby(tmp_path,
+                                                                                                 monkeypatch):
+    judged = verdict("0.30.0", _tree(tmp_path / "t", FAKE_0_29))
+    assert judged.error is None
+    assert {name for name, _ in judged.unavailable} == {vllm_contract.SHARED_4BIT, vllm_contract.FP8_KV_STANDBY}
+    # the 0.25 generation's loader (unstacking) is a break for 0.29's contract
+    files = dict(FAKE_0_29, **{"lora/worker_manager.py": FAKE_0_25["lora/worker_manager.py"]})
+    assert "no longer has get_rename_mapper" in verdict("0.30.0", _tree(tmp_path / "u", files)).error
+    _as_installed(monkeypatch, "0.30.0", _tree(tmp_path / "installed", FAKE_0_29))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _grpo_config(turbo_vllm_standby=True)  # a 16-bit KV cache: the missing hook did nothing for it
+            _grpo_config(turbo_vllm_standby=False, turbo_vllm_kv_cache_dtype="fp8")
+            with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*turbo_vllm_standby=True.*post_kv_cache"):
+                _grpo_config(turbo_vllm_standby=True, turbo_vllm_kv_cache_dtype="fp8")
+    finally:
+        vllm_contract._installed_verdict.cache_clear()
+
+
+def test_the_0_29_adapter_renames_and_calls_the_wake_up_hook_only_where_it_exists():
+    import types
+
+    from trl_turbo.vllm.engine import APIS
+
+    class Mapper:
+        def get_rename_mapper(self):
+            return "renamed"
+
+        def get_unstacked_mapper(self):
+            return "unstacked"
+
+    model = types.SimpleNamespace(hf_to_vllm_mapper=Mapper())
+    assert APIS["0.29"].lora_weights_mapper(model) == "renamed"
+    assert APIS["0.25"].lora_weights_mapper(model) == "unstacked"
+    calls = []
+    APIS["0.29"].after_kv_wake_up(types.SimpleNamespace(post_kv_cache_wake_up=lambda: calls.append(1)))
+    APIS["0.29"].after_kv_wake_up(types.SimpleNamespace())  # 0.29+: no hook, nothing to redo for a 16-bit cache
+    assert calls == [1]
+    with pytest.raises(AttributeError):
+        APIS["0.25"].after_kv_wake_up(types.SimpleNamespace())  # older generations always have it
 
 
 def test_a_feature_requirement_takes_away_only_that_feature(tmp_path):
@@ -288,10 +343,10 @@ def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, m
     files["lora/worker_manager.py"] = files["lora/worker_manager.py"].replace(
         "get_unstacked_mapper", "get_rename_mapper")
     broken = _tree(tmp_path, files)
-    monkeypatch.setattr(versions, "installed_version", lambda package: "0.30.0" if package == "vllm" else "0.21.0")
+    monkeypatch.setattr(versions, "installed_version", lambda package: "0.27.1" if package == "vllm" else "0.21.0")
     monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: broken)
     vllm_contract._installed_verdict.cache_clear()
-    with pytest.raises(ValueError, match=r"vllm==0.30.0 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.25.x, 0.26.x"):
+    with pytest.raises(ValueError, match=r"vllm==0.27.1 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.25.x, 0.26.x"):
         _grpo_config(turbo_vllm_shared_weights=True)
     vllm_contract._installed_verdict.cache_clear()
 
@@ -300,18 +355,19 @@ CACHE = Path(__file__).resolve().parents[2] / ".cache" / "vllm-sources"
 
 
 @pytest.mark.skipif(not (CACHE / "0.24.0" / "vllm").is_dir(), reason="run scripts/fetch_vllm_sources.py first")
-def test_real_sources_keep_their_generation_contract_up_to_0_28():
+def test_real_sources_keep_their_generation_contract():
     versions = sorted(path.name for path in CACHE.iterdir() if (path / "vllm").is_dir())
     kept = {version: check_sources(CACHE / version / "vllm", generation_for(version).contract) for version in versions}
     assert kept["0.24.0"] == []
     judged = {version: verdict(version, CACHE / version / "vllm") for version in versions}
     accepted = {version: judged[version].error is None for version in versions}
-    expected = {"0.24.0": True, "0.25.1": True, "0.26.0": True, "0.27.1": True, "0.28.0": True, "0.29.0": False,
-                "0.30.0": False, "0.31.0": False}
-    assert {v: accepted[v] for v in versions if v in expected} == {v: expected[v] for v in versions if v in expected}
+    assert all(accepted.values()), {v: judged[v].error for v in versions if not accepted[v]}
     for version in ("0.25.1", "0.26.0", "0.27.1"):
         if version in kept:
             assert kept[version] == [], (version, kept[version])
-    if "0.28.0" in judged:  # vLLM 0.28 dropped bitsandbytes: 4-bit weights go as a separate copy, the rest runs
-        assert [name for name, _ in judged["0.28.0"].unavailable] == [vllm_contract.SHARED_4BIT]
-        assert "bitsandbytes_loader.py is missing" in judged["0.28.0"].notice
+    lost = {version: {name for name, _ in judged[version].unavailable} for version in versions}
+    expected = {"0.28.0": {vllm_contract.SHARED_4BIT},  # bitsandbytes removed
+                "0.29.0": {vllm_contract.SHARED_4BIT, vllm_contract.FP8_KV_STANDBY},  # and the KV wake-up hook
+                "0.30.0": {vllm_contract.SHARED_4BIT, vllm_contract.FP8_KV_STANDBY},
+                "0.31.0": {vllm_contract.SHARED_4BIT, vllm_contract.FP8_KV_STANDBY, vllm_contract.FP8_SAMPLING}}
+    assert {v: lost[v] for v in versions if v in expected} == {v: expected[v] for v in versions if v in expected}

@@ -228,7 +228,7 @@ def test_engine_switches_name_the_vllm_they_need(monkeypatch):
     from trl_turbo import versions
 
     monkeypatch.setattr(versions, "installed_version", lambda package: "0.22.0" if package == "vllm" else None)
-    with pytest.raises(ValueError, match=r"vllm==0.22.0.*supported: >=0.24.0,<0.29.0.*trl-turbo\[vllm\]"):
+    with pytest.raises(ValueError, match=r"vllm==0.22.0.*supported: >=0.24.0,<0.32.0.*trl-turbo\[vllm\]"):
         _config(use_vllm=True, vllm_mode="colocate", turbo_vllm_standby=True)
 
 

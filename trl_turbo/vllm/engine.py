@@ -1,5 +1,6 @@
-"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24, `versions.VLLM_ENGINE`; what it relies on is
-listed, for checking other versions' sources, in `trl_turbo.vllm_contract`).
+"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24-0.31, `versions.VLLM_ENGINE`; what it relies on
+is listed per API generation, for checking each version's sources, in `trl_turbo.vllm_contract`; what differs between
+generations sits in the `VllmApi` adapters below).
 
 The mechanisms, each on vLLM's own objects rather than re-implemented:
 - Weights. The model module comes from the worker (`worker.get_model()`, which unwraps CUDA-graph wrappers); HF
@@ -19,7 +20,7 @@ The mechanisms, each on vLLM's own objects rather than re-implemented:
 - KV standby. With `enable_sleep_mode=True` vLLM allocates its weights and its KV cache from tagged CuMem pools.
   vLLM's `sleep()` unmaps both (the weights are then copied out or discarded), so standby unmaps only the
   `kv_cache` allocations and maps them back at the same addresses before the next generation, then redoes what
-  vLLM's own wake-up does for the KV cache (`post_kv_cache_wake_up`, prefix-cache reset).
+  vLLM's own wake-up does for the KV cache (the runner's `post_kv_cache_wake_up` where it exists, prefix-cache reset).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class VllmApi:
     def mark_mapped(self, allocation: Any, mapped: bool) -> None:
         """Record on a CuMem allocation that standby (un)mapped it, where vLLM tracks that."""
 
+    def after_kv_wake_up(self, model_runner: Any) -> None:
+        """What vLLM's own wake-up redoes once the KV cache is mapped back (its runner's hook)."""
+        model_runner.post_kv_cache_wake_up()
+
 
 class VllmApi025(VllmApi):
     """vLLM 0.25 on: the adapter loader unstacks the model's mapper itself (passing it raw would merge q, k and v into
@@ -60,7 +65,22 @@ class VllmApi025(VllmApi):
         allocation.is_asleep = not mapped
 
 
-APIS: dict[str, VllmApi] = {"0.24": VllmApi(), "0.25": VllmApi025()}
+class VllmApi029(VllmApi025):
+    """vLLM 0.29 on: the adapter loader passes a mapper that only renames (stacked q/k/v names kept apart), and the
+    runner has no KV wake-up hook (it reset an fp8 KV cache's scales, a no-op for a 16-bit one; the contract takes the
+    fp8 KV cache in standby away where the hook is missing)."""
+
+    def lora_weights_mapper(self, model: Any) -> Any:
+        mapper = VllmApi.lora_weights_mapper(self, model)
+        return mapper.get_rename_mapper() if mapper is not None else None
+
+    def after_kv_wake_up(self, model_runner: Any) -> None:
+        hook = getattr(model_runner, "post_kv_cache_wake_up", None)
+        if hook is not None:
+            hook()
+
+
+APIS: dict[str, VllmApi] = {"0.24": VllmApi(), "0.25": VllmApi025(), "0.29": VllmApi029()}
 
 
 @functools.cache
@@ -253,7 +273,7 @@ class KVStandby:
                 create_and_map(data.handle)
                 vllm_api().mark_mapped(data, True)
             self._weights_mapped = True
-        driver_worker(self._llm).model_runner.post_kv_cache_wake_up()
+        vllm_api().after_kv_wake_up(driver_worker(self._llm).model_runner)
         self._llm.reset_prefix_cache()
         self.released = False
         return self.bytes

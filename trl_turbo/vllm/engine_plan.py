@@ -77,7 +77,7 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
     hold a separate copy."""
     if config is not None and getattr(config, "use_vllm", False) and not versions.importable("vllm"):
         raise ValueError("`use_vllm=True` needs vLLM, which is not installed: `pip install 'trl-turbo[vllm]'` "
-                         "(vLLM 0.24 for trl_turbo's engine features), or set `use_vllm=False`.")
+                         "(vLLM 0.24-0.31 for trl_turbo's engine features), or set `use_vllm=False`.")
     if config is None or not setting(config, "turbo_vllm_shared_weights"):
         return
     adapter = peft_config

@@ -255,15 +255,6 @@ class MemoryPlanner:
         needed fewer yet). Sequence groups of this size train without recompute."""
         return self.group_budget
 
-    def _update_group_budget(self, plan: LayerPlan, head_bytes: int) -> None:
-        # From a forward that could not keep every layer: its measured bytes per token (all layers kept, plus the
-        # head) against what it could spend. Kept until such a forward happens again, so groups sized by it (which
-        # keep every layer) do not undo it.
-        if plan.kept == plan.layers or plan.tokens == 0 or plan.spendable_bytes < 0:
-            return
-        per_token = (self.layer_count * plan.layer_bytes + head_bytes) / plan.tokens
-        self.group_budget = max(0, int(plan.spendable_bytes / per_token))
-
     def mode(self, index: int) -> str:
         """How the layer at `index` >= 1 runs in the current forward (the first layer runs in `run_first_layer`);
         before any plan, the most frugal way."""

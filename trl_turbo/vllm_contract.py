@@ -85,39 +85,37 @@ CONTRACT_0_24: tuple[Requirement, ...] = (
 )
 
 
-def _replaced(contract: tuple[Requirement, ...], qualname: str, requirement: Requirement) -> tuple[Requirement, ...]:
-    return tuple(requirement if item.qualname == qualname else item for item in contract)
+def _revised(contract: tuple[Requirement, ...], *requirements: Requirement) -> tuple[Requirement, ...]:
+    """`contract` with each of `requirements` in place of the one naming the same callable, or added."""
+    by_qualname = {requirement.qualname: requirement for requirement in requirements}
+    kept = tuple(by_qualname.pop(item.qualname, item) for item in contract)
+    return kept + tuple(by_qualname.values())
 
 
 # vLLM 0.25's generation: the adapter loader unstacks the model's mapper itself (so must trl_turbo's, or q/k/v merge
 # into one entry), and each allocation records whether it is asleep (set by standby when it unmaps one, so that a
 # wake-up that remaps only sleeping allocations still remaps it).
-CONTRACT_0_25: tuple[Requirement, ...] = _replaced(
-    CONTRACT_0_24, "WorkerLoRAManager._load_adapter",
+CONTRACT_0_25: tuple[Requirement, ...] = _revised(
+    CONTRACT_0_24,
     Requirement("adapters from tensors: the LoRA manager's loader, wrapped per engine (mapper unstacked)",
                 "lora/worker_manager.py", "WorkerLoRAManager._load_adapter", ("lora_request",),
                 body_has=("get_unstacked_mapper",)),
-)
-CONTRACT_0_25 = _replaced(
-    CONTRACT_0_25, "CuMemAllocator.wake_up",
     Requirement("KV standby: remapping a tag's allocations marked asleep", "device_allocator/cumem.py",
                 "CuMemAllocator.wake_up", ("tags",), body_has=("is_asleep", "create_and_map")),
-) + (Requirement("KV standby: the allocation's sleep state", "device_allocator/__init__.py", "AllocationData",
-                 body_has=("is_asleep",)),)
+    Requirement("KV standby: the allocation's sleep state", "device_allocator/__init__.py", "AllocationData",
+                body_has=("is_asleep",)),
+)
 
 
 # vLLM 0.29's generation: the adapter loader renames (`get_rename_mapper`: renames only, stacked names kept apart), and
 # the runner's KV wake-up hook is gone (sleep moved into a backend). Standby skips the hook where it is missing: for a
 # 16-bit KV cache it did nothing; an fp8 KV cache needs its scales reset after a wake-up, which nothing here redoes, so
 # that one combination is taken away.
-CONTRACT_0_29: tuple[Requirement, ...] = _replaced(
-    CONTRACT_0_25, "WorkerLoRAManager._load_adapter",
+CONTRACT_0_29: tuple[Requirement, ...] = _revised(
+    CONTRACT_0_25,
     Requirement("adapters from tensors: the LoRA manager's loader, wrapped per engine (mapper renames only)",
                 "lora/worker_manager.py", "WorkerLoRAManager._load_adapter", ("lora_request",),
                 body_has=("get_rename_mapper",)),
-)
-CONTRACT_0_29 = _replaced(
-    CONTRACT_0_29, "GPUModelRunner.post_kv_cache_wake_up",
     Requirement("an fp8 KV cache in standby: the runner's reset of KV scales after a wake-up",
                 "v1/worker/gpu_model_runner.py", "GPUModelRunner.post_kv_cache_wake_up", feature=FP8_KV_STANDBY),
 )

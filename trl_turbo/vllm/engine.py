@@ -57,9 +57,11 @@ class VllmApi025(VllmApi):
     """vLLM 0.25 on: the adapter loader unstacks the model's mapper itself (passing it raw would merge q, k and v into
     one entry), and each allocation records whether it is asleep (a wake-up may remap only sleeping ones)."""
 
+    mapper_view = "get_unstacked_mapper"  # the view of the model's mapper vLLM's own adapter loader passes
+
     def lora_weights_mapper(self, model: Any) -> Any:
         mapper = super().lora_weights_mapper(model)
-        return mapper.get_unstacked_mapper() if mapper is not None else None
+        return getattr(mapper, self.mapper_view)() if mapper is not None else None
 
     def mark_mapped(self, allocation: Any, mapped: bool) -> None:
         allocation.is_asleep = not mapped
@@ -70,9 +72,7 @@ class VllmApi029(VllmApi025):
     runner has no KV wake-up hook (it reset an fp8 KV cache's scales, a no-op for a 16-bit one; the contract takes the
     fp8 KV cache in standby away where the hook is missing)."""
 
-    def lora_weights_mapper(self, model: Any) -> Any:
-        mapper = VllmApi.lora_weights_mapper(self, model)
-        return mapper.get_rename_mapper() if mapper is not None else None
+    mapper_view = "get_rename_mapper"
 
     def after_kv_wake_up(self, model_runner: Any) -> None:
         hook = getattr(model_runner, "post_kv_cache_wake_up", None)

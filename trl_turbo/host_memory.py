@@ -1,5 +1,6 @@
 """The host memory available now: one reading shared by checkpoint offload's budget and merged sampling's host copy,
-offload's default budget per training process, and the floor of available memory offload never pins below."""
+offload's default budget per training process, the floor of available memory offload never pins below, and this
+process's resident memory (read by the soak benchmark)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ OFFLOAD_HOST_FRACTION = 0.8
 OFFLOAD_HOST_FLOOR_FRACTION = 0.05
 
 
-def _meminfo(field: str) -> int | None:
+def _proc_kib_field(path: str, field: str) -> int | None:
+    """Bytes of a `field: N kB` line of a Linux /proc file (None: no such file or line)."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
+        with open(path) as lines:
+            for line in lines:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
@@ -29,14 +31,19 @@ def _meminfo(field: str) -> int | None:
 
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux); elsewhere the OS's count of available pages."""
-    found = _meminfo("MemAvailable")
+    found = _proc_kib_field("/proc/meminfo", "MemAvailable")
     return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def total_host_bytes() -> int:
     """MemTotal from /proc/meminfo (Linux); elsewhere the OS's count of physical pages."""
-    found = _meminfo("MemTotal")
+    found = _proc_kib_field("/proc/meminfo", "MemTotal")
     return found if found is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def process_rss_bytes() -> int:
+    """This process's resident set size, VmRSS from /proc/self/status (Linux; 0 elsewhere)."""
+    return _proc_kib_field("/proc/self/status", "VmRSS") or 0
 
 
 def offload_host_floor_bytes() -> int:

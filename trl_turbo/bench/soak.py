@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..host_memory import process_rss_bytes
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 
 MIB = 2**20
@@ -83,18 +84,6 @@ def flatness(trace: list[dict[str, Any]], bounds: FlatnessBounds = FLATNESS_BOUN
     return {"flat": all(c["ok"] for c in checks.values()), "checks": checks, "bounds": asdict(bounds)}
 
 
-def host_rss_bytes() -> int:
-    """This process's resident set size (Linux's /proc; 0 where it is unavailable)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _pinned_host_bytes() -> int | None:
     import torch
 
@@ -108,7 +97,7 @@ def sample_memory() -> dict[str, Any]:
     """What could leak, now: device bytes (torch allocated and reserved, the driver's used), host RSS, pinned host."""
     import torch
 
-    row: dict[str, Any] = {"host_rss": host_rss_bytes(), "pinned_host": _pinned_host_bytes()}
+    row: dict[str, Any] = {"host_rss": process_rss_bytes(), "pinned_host": _pinned_host_bytes()}
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()

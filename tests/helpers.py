@@ -5,6 +5,7 @@ token batches and gradients."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,10 +144,14 @@ def checkpointed_grads(model, ids, *, runtime=None, tiled_tokens=None, checkpoin
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def as_if_vllm_installed(monkeypatch: Any, version: str = "0.24.0") -> None:
-    """Make trl_turbo's version checks see vLLM `version` (a GPU-verified one by default) on a machine without it."""
+def as_if_vllm_installed(monkeypatch: Any, version: str = "0.24.0", package: Path | None = None) -> None:
+    """Make trl_turbo's version checks see vLLM `version` (a GPU-verified one by default) on a machine without it;
+    with `package`, the contract check reads the (fake) `vllm` sources there, and config notices show anew."""
     from trl_turbo import versions, vllm_contract
 
     real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda package: version if package == "vllm" else real(package))
+    monkeypatch.setattr(versions, "installed_version", lambda name: version if name == "vllm" else real(name))
+    if package is not None:
+        monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: package)
+        monkeypatch.setattr("trl_turbo.config._noticed", set())
     vllm_contract._installed_verdict.cache_clear()

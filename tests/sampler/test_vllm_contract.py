@@ -13,6 +13,8 @@ import pytest
 from trl_turbo import vllm_contract
 from trl_turbo.vllm_contract import CONTRACT, CONTRACT_0_25, check_sources, generation_for, verdict
 
+from helpers import as_if_vllm_installed
+
 # vLLM 0.24's shape of everything the contract names, reduced to signatures and the lines the checks read.
 FAKE_0_24 = {
     "lora/worker_manager.py": """
@@ -215,13 +217,7 @@ def _grpo_config(**kwargs):
 
 
 def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm_on_error(tmp_path, monkeypatch):
-    from trl_turbo import versions
-
-    good = _tree(tmp_path, FAKE_0_25)
-    monkeypatch.setattr(versions, "installed_version", lambda package: "0.27.1" if package == "vllm" else "0.21.0")
-    monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: good)
-    vllm_contract._installed_verdict.cache_clear()
-    monkeypatch.setattr("trl_turbo.config._noticed", set())
+    as_if_vllm_installed(monkeypatch, "0.27.1", _tree(tmp_path, FAKE_0_25))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = _grpo_config(turbo_vllm_standby=True)
@@ -251,7 +247,7 @@ def test_the_0_29_generation_runs_without_the_kv_wake_up_hook_but_not_an_fp8_kv_
     # the 0.25 generation's loader (unstacking) is a break for 0.29's contract
     files = dict(FAKE_0_29, **{"lora/worker_manager.py": FAKE_0_25["lora/worker_manager.py"]})
     assert "no longer has get_rename_mapper" in verdict("0.30.0", _tree(tmp_path / "u", files)).error
-    _as_installed(monkeypatch, "0.30.0", _tree(tmp_path / "installed", FAKE_0_29))
+    as_if_vllm_installed(monkeypatch, "0.30.0", _tree(tmp_path / "installed", FAKE_0_29))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -300,17 +296,8 @@ def test_a_feature_requirement_takes_away_only_that_feature(tmp_path):
     assert judged.error is not None and "gpu_model_runner.py is missing" in judged.error
 
 
-def _as_installed(monkeypatch, version: str, package: Path) -> None:
-    from trl_turbo import versions
-
-    monkeypatch.setattr(versions, "installed_version", lambda name: version if name == "vllm" else "0.21.0")
-    monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: package)
-    monkeypatch.setattr("trl_turbo.config._noticed", set())
-    vllm_contract._installed_verdict.cache_clear()
-
-
 def test_fp8_sampling_is_refused_where_the_vllm_cannot_serve_it(tmp_path, monkeypatch):
-    _as_installed(monkeypatch, "0.27.1", _tree(tmp_path, _with_fp8_refused()))
+    as_if_vllm_installed(monkeypatch, "0.27.1", _tree(tmp_path, _with_fp8_refused()))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -325,9 +312,9 @@ def test_4bit_weights_go_as_a_separate_copy_where_the_vllm_has_no_bitsandbytes(t
     from trl_turbo.vllm.sharing import copy_reasons
 
     nf4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_quant_storage": "uint8"}
-    _as_installed(monkeypatch, "0.26.0", _tree(tmp_path / "verified", FAKE_0_25))
+    as_if_vllm_installed(monkeypatch, "0.26.0", _tree(tmp_path / "verified", FAKE_0_25))
     assert copy_reasons(nf4, "llama") == []
-    _as_installed(monkeypatch, "0.28.0", _tree(tmp_path / "no-bnb", _without_bitsandbytes()))
+    as_if_vllm_installed(monkeypatch, "0.28.0", _tree(tmp_path / "no-bnb", _without_bitsandbytes()))
     try:
         reasons = copy_reasons(nf4, "llama")
         assert len(reasons) == 1 and "cannot load 4-bit weights" in reasons[0] and "0.28.0" in reasons[0]
@@ -337,15 +324,10 @@ def test_4bit_weights_go_as_a_separate_copy_where_the_vllm_has_no_bitsandbytes(t
 
 
 def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, monkeypatch):
-    from trl_turbo import versions
-
     files = dict(FAKE_0_25)
     files["lora/worker_manager.py"] = files["lora/worker_manager.py"].replace(
         "get_unstacked_mapper", "get_rename_mapper")
-    broken = _tree(tmp_path, files)
-    monkeypatch.setattr(versions, "installed_version", lambda package: "0.27.1" if package == "vllm" else "0.21.0")
-    monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: broken)
-    vllm_contract._installed_verdict.cache_clear()
+    as_if_vllm_installed(monkeypatch, "0.27.1", _tree(tmp_path, files))
     with pytest.raises(ValueError, match=r"vllm==0.27.1 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.25.x, 0.26.x"):
         _grpo_config(turbo_vllm_shared_weights=True)
     vllm_contract._installed_verdict.cache_clear()

@@ -428,6 +428,14 @@ def stale_adapter_run(arch: str, path: Path, sampling: str, steps: int = 8) -> d
             "tripped_at_step": tripped_at[0] if tripped_at else None, "gaps": gaps}
 
 
+def _unused_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_in_child(arch: str, workdir: Path, quantization: str | None = None, sampling: str = "auto",
                  *extra: str) -> dict[str, Any]:
     """Run this module's checks for ``arch`` in a fresh Python process (one vLLM engine per process) and return its
@@ -437,10 +445,13 @@ def run_in_child(arch: str, workdir: Path, quantization: str | None = None, samp
 
     from trl_turbo.testing.multi_gpu import fresh_rendezvous_env
 
-    # An engine of the calling process left TRL's MASTER_PORT etc. in os.environ
+    # An engine of the calling process left TRL's MASTER_PORT etc. in os.environ. Without one, TRL's colocate
+    # engine takes the first free port of a fixed list (29500 first), so children running side by side (one pytest
+    # process per test shard) would race for it: each child gets a port the OS just handed out.
     command = [sys.executable, "-m", "trl_turbo.testing.vllm_checks", arch, str(workdir), quantization or "none",
                sampling, *extra]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=fresh_rendezvous_env())
+    env = {**fresh_rendezvous_env(), "MASTER_PORT": str(_unused_port())}
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
     if process.returncode != 0 or not lines:
         raise AssertionError(process.stdout[-3000:] + process.stderr[-6000:])

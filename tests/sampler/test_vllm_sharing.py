@@ -15,6 +15,8 @@ from trl_turbo.vllm.adapter import adapter_problems, adapter_tensors, lora_engin
 from trl_turbo.vllm.kv_budget import (
     PROMPT_ALLOWANCE_TOKENS,
     auto_kv_cache_bytes,
+    kv_margin_bytes,
+    sampling_workspace_bytes,
     expected_seq_len,
     kv_bytes_per_token,
     useful_kv_cache_bytes,
@@ -179,9 +181,20 @@ def test_kv_budget_is_what_is_left_after_persistent_memory():
     assert auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=0, useful_bytes=gib, **common) == gib
     with pytest.raises(ValueError, match="Not enough device memory"):
         auto_kv_cache_bytes(free_bytes=20 * gib, trainable_params=0, useful_bytes=1 << 50, **common)
-    # A small device: 5% of 16 GiB is 0.8 GiB, so the 2 GiB floor of the margin applies
+    # A mid-size device: 5% of 32 GiB is 1.6 GiB, so the 2 GiB floor of the margin applies
+    mid = {"total_bytes": 32 * gib, "vllm_weight_bytes": 4 * gib, "sampling_workspace_bytes": gib}
+    assert auto_kv_cache_bytes(free_bytes=12 * gib, trainable_params=0, useful_bytes=1 << 50, **mid) == 5 * gib
+    # A small device (or a capped process): the floor is at most 10% of it, 1.6 GiB of 16, 0.5 GiB of 5
     small = {"total_bytes": 16 * gib, "vllm_weight_bytes": 4 * gib, "sampling_workspace_bytes": gib}
-    assert auto_kv_cache_bytes(free_bytes=12 * gib, trainable_params=0, useful_bytes=1 << 50, **small) == 5 * gib
+    assert auto_kv_cache_bytes(free_bytes=12 * gib, trainable_params=0, useful_bytes=1 << 50,
+                               **small) == int(12 * gib - 4 * gib - gib - int(1.6 * gib))
+    assert kv_margin_bytes(5 * gib) == int(0.5 * gib) and kv_margin_bytes(140 * gib) == int(7 * gib)
+
+
+def test_sampling_workspace_counts_logits_of_sampled_rows_only():
+    # vLLM computes logits for one row per sequence: 8 sequences of a 151,936-token vocabulary, three fp32 copies
+    assert sampling_workspace_bytes(8, 4096, 151936, 1536) == 4096 * 16 * 1536 * 4 + 3 * 8 * 151936 * 4
+    assert sampling_workspace_bytes(256, 4096, 151936, 1536) > sampling_workspace_bytes(8, 4096, 151936, 1536)
 
 
 

@@ -33,6 +33,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ..device_memory import cap_process_memory
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from .results import DEFAULT_RESULTS_DIR, GIB
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
@@ -231,8 +232,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     torch.cuda.set_device(device)
     torch.cuda.init()
+    cap = cap_process_memory(int(spec["gpu_gib"] * GIB), device) if spec.get("gpu_gib") else {}
     processes = int(os.environ.get("WORLD_SIZE", 1))
-    row: dict[str, Any] = {"variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
+    row: dict[str, Any] = {**cap, "variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
                            "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
                            "micro_batch": spec["micro_batch"],
                            "prompt_len": spec["prompt_len"], "completion_len": spec["completion_len"], "ok": False,
@@ -417,10 +419,12 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
+    if args.gpu_gib is not None and launches != [SINGLE_GPU]:
+        raise SystemExit("--gpu-gib caps a one-GPU run; leave --launches at 1gpu")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         raise SystemExit("the e2e benchmark runs vLLM: it needs a CUDA GPU")
-    launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
     for launch in launches:
         launch_command(launch, args.processes)  # an unknown launch fails before anything runs
     if args.quantization not in QUANTIZATIONS:
@@ -432,7 +436,7 @@ def run(args: argparse.Namespace) -> Path:
     torch.cuda.empty_cache()
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
-              "prompt_len": args.prompt_len, "steps": args.steps,
+              "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib,
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
               "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
@@ -446,7 +450,8 @@ def run(args: argparse.Namespace) -> Path:
     quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     several = "" if launches == [SINGLE_GPU] else f"-{args.processes}gpu"
     preset = "" if args.preset == "anchor" else f"-{args.preset}"
-    stem = f"e2e-{args.shape}{preset}{quantized}{several}-{time.strftime('%Y%m%d-%H%M%S')}"
+    capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
+    stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as output_dir:
         for launch in launches:
@@ -518,6 +523,8 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
             xs, ys = zip(*row["timeline"])
             memory.plot(xs, ys, label=_label(row) + (" (GPU 0)" if row.get("processes", 1) > 1 else ""),
                         linewidth=1)
+    for cap in sorted({row["cap_gib"] for row in rows if row.get("cap_gib")}):
+        memory.axhline(cap, color="black", linestyle=":", linewidth=1, label=f"cap {cap:g} GiB")
     memory.set_xlabel("time since trainer construction (s)")
     memory.set_ylabel("device memory in use (GiB)")
     memory.grid(alpha=0.3)
@@ -553,9 +560,10 @@ def _label(row: dict[str, Any]) -> str:
 def format_row(row: dict[str, Any]) -> str:
     from . import fmt
 
+    capped = f" (capped at {row['cap_gib']:g} GiB)" if row.get("cap_gib") else ""
     if not row.get("ok"):
-        return f"{_label(row):>6} FAILED: {row.get('error')}"
-    return (f"{_label(row):>6} init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  "
+        return f"{_label(row):>6}{capped} FAILED: {row.get('error')}"
+    return (f"{_label(row):>6}{capped} init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  "
             f"step peak={fmt(row['peak_gib'], '6.2f')} GiB (generation "
             f"{fmt(row['generation_peak_gib'], '6.2f')}, training {fmt(row['train_peak_gib'], '6.2f')})  "
             f"step={fmt(row['step_s'], '6.2f')} s  generate={fmt(row['generate_s'], '6.2f')} s  "
@@ -583,6 +591,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--launches", default=SINGLE_GPU,
                         help=f"comma-separated: {SINGLE_GPU} and/or TRL accelerate configs (multi_gpu, zero2, …)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of each launch other than 1gpu")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="cap each variant's process at this much device memory (a smaller GPU): torch's "
+                             "per-process fraction, less the CUDA context the driver holds; one GPU only")
     parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

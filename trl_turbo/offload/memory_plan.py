@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..device_memory import device_budget
+
 _GIB = 2**30
 # What stays free whatever the plan: a share of the device plus a fixed floor (allocator fragmentation, cuBLAS/NCCL
 # workspaces, the optimizer's first-step states).
@@ -144,23 +146,6 @@ def all_kept_group_tokens(plan: LayerPlan, layer_count: int, head_bytes: int) ->
         return None
     per_token = (layer_count * plan.layer_bytes + head_bytes) / plan.tokens
     return max(0, int(plan.spendable_bytes / per_token))
-
-
-def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tuple[int, int, int]:
-    """(free bytes the plan may count on, bytes torch has allocated, device capacity) of a CUDA device: the driver's
-    free memory plus torch's cached blocks that hold nothing, within torch's per-process memory fraction and, if
-    given, a ceiling on the device memory in use (`ceiling_bytes`: what the generation phase used)."""
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    reserved = torch.cuda.memory_reserved(device)
-    cached_unused = reserved - allocated
-    growth = free
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
-    if fraction < 1.0:  # torch refuses to reserve beyond it (a capped run)
-        growth = min(growth, max(0, int(fraction * total) - reserved))
-    if ceiling_bytes is not None:
-        growth = min(growth, max(0, ceiling_bytes - (total - free)))
-    return growth + cached_unused, allocated, total
 
 
 @contextlib.contextmanager

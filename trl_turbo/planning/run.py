@@ -19,6 +19,7 @@ from ..vllm.kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
     kv_bytes_per_token,
+    VLLM_BATCHED_TOKENS,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
@@ -105,15 +106,17 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
             per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
                                            dtype_bytes=kv_dtype_bytes)
             max_model_len = _field(args, "vllm_max_model_length", None)
+            max_num_seqs = args.per_device_train_batch_size * _field(args, "steps_per_generation", 1) or 256
             useful = useful_kv_cache_bytes(
-                max_num_seqs=args.per_device_train_batch_size * _field(args, "steps_per_generation", 1) or 256,
+                max_num_seqs=max_num_seqs,
                 seq_len=expected_seq_len(max_model_length=max_model_len, max_completion_length=completion),
                 max_model_len=max_model_len or spec.max_position_embeddings, per_token_bytes=per_token)
             try:
                 engine_kv = auto_kv_cache_bytes(
                     free_bytes=capacity_bytes - CONTEXT_BYTES - static, total_bytes=capacity_bytes,
                     vllm_weight_bytes=engine_weights, trainable_params=trainable,
-                    sampling_workspace_bytes=sampling_workspace_bytes(4096, spec.vocab_size, spec.hidden_size),
+                    sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, VLLM_BATCHED_TOKENS, spec.vocab_size,
+                                                              spec.hidden_size),
                     useful_bytes=useful)
             except ValueError as exc:
                 error = str(exc)

@@ -18,6 +18,7 @@ import torch
 
 from .. import versions
 from ..config import TurboFields
+from ..device_memory import device_budget
 from ..distributed import local_process_count
 from ..host_memory import available_host_bytes
 from .adapter import adapter_problems, lora_engine_kwargs
@@ -27,6 +28,7 @@ from .kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
     kv_bytes_per_token,
+    VLLM_BATCHED_TOKENS,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
@@ -271,7 +273,7 @@ def _trl_default(config: Any, name: str) -> Any:
 
 def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None) -> int:
     model = generation.model
-    free, total = torch.cuda.mem_get_info(generation.accelerator.device)
+    free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -279,8 +281,9 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
         layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         head_dim=head_dim, dtype_bytes=1 if kv_cache_dtype.startswith("fp8") else 2,
     )
+    max_num_seqs = generation.max_num_seqs or 256
     useful = useful_kv_cache_bytes(
-        max_num_seqs=generation.max_num_seqs or 256,
+        max_num_seqs=max_num_seqs,
         seq_len=expected_seq_len(max_model_length=generation.max_model_length,
                                  max_completion_length=generation.max_completion_length),
         max_model_len=generation.max_model_length or text.max_position_embeddings,
@@ -289,7 +292,8 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     return auto_kv_cache_bytes(
         free_bytes=free, total_bytes=total, vllm_weight_bytes=_vllm_weight_bytes(model, sharing, sampling),
         trainable_params=trainable,
-        sampling_workspace_bytes=sampling_workspace_bytes(4096, text.vocab_size, text.hidden_size),
+        sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, VLLM_BATCHED_TOKENS, text.vocab_size,
+                                                          text.hidden_size),
         useful_bytes=useful,
     )
 

@@ -18,7 +18,11 @@ _GIB = 2**30
 _TRAINABLE_BYTES_PER_PARAM = 4 + 4 + 4
 _MARGIN_FRACTION = 0.05
 _MIN_MARGIN_BYTES = 2 * _GIB
+# ...but never more than this share of a small device (a 5 GiB run would otherwise keep 40% of it as margin)
+_MAX_MARGIN_FLOOR_FRACTION = 0.10
 _MIN_KV_BYTES = 1 * _GIB
+# The scheduler's token budget per step that TRL's colocated engine is built with (`max_num_batched_tokens`)
+VLLM_BATCHED_TOKENS = 4096
 # Prompt tokens assumed per sequence when `vllm_max_model_length` is unset (GRPO prompts are rarely longer).
 PROMPT_ALLOWANCE_TOKENS = 2048
 
@@ -27,7 +31,7 @@ def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes:
                         sampling_workspace_bytes: int, useful_bytes: int) -> int:
     """The KV cache budget in bytes: what is left, capped at `useful_bytes` (every sequence at full length); raises
     ValueError when less than min(1 GiB, useful) is left, naming what took the memory."""
-    margin = max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * total_bytes))
+    margin = kv_margin_bytes(total_bytes)
     reserved = vllm_weight_bytes + trainable_params * _TRAINABLE_BYTES_PER_PARAM + sampling_workspace_bytes + margin
     budget = free_bytes - reserved
     if budget < min(_MIN_KV_BYTES, useful_bytes):
@@ -39,6 +43,12 @@ def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes:
             "kept as margin. Use a smaller model or set `vllm_gpu_memory_utilization` explicitly."
         )
     return int(min(budget, useful_bytes))
+
+
+def kv_margin_bytes(total_bytes: int) -> int:
+    """Device memory the KV budget leaves free: 5% of the device, and at least 2 GiB or 10% of it, the smaller."""
+    floor = min(_MIN_MARGIN_BYTES, int(_MAX_MARGIN_FLOOR_FRACTION * total_bytes))
+    return max(floor, int(_MARGIN_FRACTION * total_bytes))
 
 
 def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -58,6 +68,9 @@ def expected_seq_len(*, max_model_length: int | None, max_completion_length: int
     return max_model_length or max_completion_length + PROMPT_ALLOWANCE_TOKENS
 
 
-def sampling_workspace_bytes(max_num_batched_tokens: int, vocab_size: int, hidden_size: int) -> int:
-    """vLLM's activation peak for one scheduler step: fp32 logits of the step's tokens plus a few hidden states."""
-    return max_num_batched_tokens * (vocab_size * 4 + 16 * hidden_size * 4)
+def sampling_workspace_bytes(max_num_seqs: int, max_num_batched_tokens: int, vocab_size: int,
+                             hidden_size: int) -> int:
+    """vLLM's activation peak for one scheduler step: a few hidden states of the step's tokens, and fp32 logits of
+    the rows it samples (one per sequence: vLLM computes logits only where a token is sampled) with their
+    log-softmax and sampling probabilities."""
+    return max_num_batched_tokens * 16 * hidden_size * 4 + 3 * max_num_seqs * vocab_size * 4

@@ -1,0 +1,59 @@
+"""The device-memory reading shared by the memory planner and vLLM's KV budget honours a per-process cap, and the
+cap a benchmark sets leaves the driver's own share out of torch's fraction (torch.cuda faked: CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_turbo import device_memory
+
+GIB = 2**30
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = {"free": 100 * GIB, "total": 140 * GIB, "allocated": 10 * GIB, "reserved": 12 * GIB, "fraction": 1.0,
+             "initialized": True}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: state["fraction"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device=None: state.update(fraction=fraction))
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch, "zeros", lambda *args, **kwargs: None)
+    return state
+
+
+def test_uncapped_budget_is_driver_free_plus_torch_cache(fake_cuda):
+    assert device_memory.device_budget("cuda") == (100 * GIB + 2 * GIB, 10 * GIB, 140 * GIB)
+    assert device_memory.device_capacity("cuda") == 140 * GIB
+
+
+def test_a_cap_bounds_the_budget_and_the_capacity(fake_cuda):
+    fake_cuda["fraction"] = 20 * GIB / (140 * GIB)  # a 20 GiB process on a 140 GiB device with 100 GiB free
+    free, allocated, capacity = device_memory.device_budget("cuda")
+    assert free == (20 * GIB - 12 * GIB) + 2 * GIB and allocated == 10 * GIB
+    assert capacity == device_memory.device_capacity("cuda") == 20 * GIB
+    # a ceiling below the cap binds instead
+    assert device_memory.device_budget("cuda", ceiling_bytes=45 * GIB)[0] == (45 * GIB - 40 * GIB) + 2 * GIB
+
+
+def test_before_cuda_starts_there_is_no_fraction_to_read(fake_cuda):
+    fake_cuda["initialized"] = False
+    fake_cuda["fraction"] = 0.01  # would raise on a machine without CUDA; not consulted
+    assert device_memory.device_capacity("cuda") == 140 * GIB
+
+
+def test_cap_leaves_the_driver_share_out_of_torch_fraction(fake_cuda):
+    fake_cuda.update(free=139 * GIB, reserved=2 * 2**20, allocated=512)  # context ~1 GiB, one tiny tensor
+    cap = device_memory.cap_process_memory(5 * GIB, "cuda")
+    driver_share = 1 * GIB - 2 * 2**20
+    assert cap["driver_share_gib"] == pytest.approx(driver_share / GIB)
+    assert fake_cuda["fraction"] == pytest.approx((5 * GIB - driver_share) / (140 * GIB))
+    # torch may then hold the cap less the context: the driver counts at most the cap for the process
+    assert int(fake_cuda["fraction"] * 140 * GIB) + driver_share == pytest.approx(5 * GIB, abs=1)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        device_memory.cap_process_memory(GIB // 2, "cuda")

@@ -1,0 +1,63 @@
+"""The device memory a run may still take: one reading shared by the memory planner and vLLM's KV budget, and the
+cap a benchmark puts on a process to stand in for a smaller GPU.
+
+Design decision: a cap is torch's per-process memory fraction, because every device allocation of a colocated run
+goes through torch's caching allocator (training tensors, vLLM's weights, KV cache and CUDA graphs, whose sleep-mode
+pools are torch memory pools), so torch refuses whatever would cross it. The CUDA context and kernel images are the
+driver's, outside the fraction: `cap_process_memory` measures them once and leaves them out of the fraction, so the
+driver's count of the process stays within the cap. Everything that sizes itself from free memory reads
+`device_budget`/`device_capacity`, which honour the fraction, so a capped run plans as it would on the smaller GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GIB = 2**30
+
+
+def _fraction(device: torch.device) -> float:
+    if not torch.cuda.is_initialized():
+        return 1.0
+    return torch.cuda.get_per_process_memory_fraction(device)
+
+
+def device_capacity(device: torch.device) -> int:
+    """The bytes this process may use on `device`: the device's memory, or the part torch's fraction allows."""
+    _, total = torch.cuda.mem_get_info(device)
+    fraction = _fraction(device)
+    return int(fraction * total) if fraction < 1.0 else total
+
+
+def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tuple[int, int, int]:
+    """(free bytes a plan may count on, bytes torch has allocated, capacity) of a CUDA device: the driver's free
+    memory plus torch's cached blocks that hold nothing, within torch's per-process memory fraction and, if given, a
+    ceiling on the device memory in use (`ceiling_bytes`: what the generation phase used)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cached_unused = reserved - allocated
+    growth = free
+    fraction = _fraction(device)
+    if fraction < 1.0:  # torch refuses to reserve beyond it (a capped run)
+        growth = min(growth, max(0, int(fraction * total) - reserved))
+    if ceiling_bytes is not None:
+        growth = min(growth, max(0, ceiling_bytes - (total - free)))
+    return growth + cached_unused, allocated, int(fraction * total) if fraction < 1.0 else total
+
+
+def cap_process_memory(cap_bytes: int, device: torch.device) -> dict[str, float]:
+    """Limit this process to `cap_bytes` of `device` as the driver counts it (call it before anything allocates):
+    the driver's own share (CUDA context, loaded kernels) is measured and the rest becomes torch's per-process
+    fraction. Returns the cap, the driver's share measured and the fraction set; ValueError when the cap leaves
+    torch nothing."""
+    torch.cuda.init()
+    torch.zeros(1, device=device)  # the context and the allocator exist: their share is in the driver's count
+    free, total = torch.cuda.mem_get_info(device)
+    driver_share = (total - free) - torch.cuda.memory_reserved(device)
+    if cap_bytes <= driver_share:
+        raise ValueError(f"a cap of {cap_bytes / _GIB:.2f} GiB leaves nothing beside the CUDA context "
+                         f"({driver_share / _GIB:.2f} GiB)")
+    fraction = (cap_bytes - driver_share) / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return {"cap_gib": cap_bytes / _GIB, "driver_share_gib": driver_share / _GIB, "memory_fraction": fraction}

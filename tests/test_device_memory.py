@@ -23,6 +23,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda fraction, device=None: state.update(fraction=fraction))
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch, "zeros", lambda *args, **kwargs: None)
     return state
 

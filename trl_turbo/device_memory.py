@@ -16,10 +16,12 @@ import torch
 _GIB = 2**30
 
 
-def _fraction(device: torch.device) -> float:
+def _fraction(device: torch.device | str) -> float:
     if not torch.cuda.is_initialized():
         return 1.0
-    return torch.cuda.get_per_process_memory_fraction(device)
+    device = torch.device(device)  # torch reads the fraction of an indexed device only ("cuda" is the current one)
+    return torch.cuda.get_per_process_memory_fraction(device.index if device.index is not None
+                                                      else torch.cuda.current_device())
 
 
 def device_capacity(device: torch.device) -> int:

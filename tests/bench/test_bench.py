@@ -223,6 +223,18 @@ def test_e2e_results_summary_plot_and_table(tmp_path):
     assert "| 8 | 64 | 4096 | 58.00 | 29.00 | 0.50× | 30.00 | 20.00 | 0.67× |" in table
 
 
+@pytest.mark.parametrize("shape", ["qwen2.5-1.5b", "llama-3.1-8b", "gemma2-9b"])
+def test_e2e_tokenizer_encodes_prompts_whatever_the_model_type(shape, tmp_path):
+    from trl_turbo.planning.shapes import build_config
+
+    config = build_config(shape)
+    config.save_pretrained(tmp_path)  # its model_type is what transformers would pick a tokenizer class from
+    e2e.wordlevel_tokenizer(config.vocab_size).save_pretrained(tmp_path)
+    tokenizer = e2e.load_tokenizer(tmp_path)
+    text = e2e.prompts(1, 8, tokenizer.vocab_size, seed=0)[0]
+    assert len(tokenizer(text).input_ids) == 8
+
+
 def test_e2e_presets_and_overrides():
     import argparse
 

@@ -102,6 +102,14 @@ def prepare_checkpoint(shape: str, path: Path, seed: int, device: str) -> dict[s
     return identity
 
 
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's word-level tokenizer. Not through AutoTokenizer: transformers maps some model types to their
+    own tokenizer class (qwen2 to Qwen2Tokenizer), which rebuilds a BPE model that encodes these words as nothing."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
 def prompts(count: int, length: int, vocab_size: int, seed: int) -> list[str]:
     """``count`` prompts of exactly ``length`` tokens, none of them special."""
     import random
@@ -220,8 +228,6 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoTokenizer
-
     from ..config import liger_layers_enabled
     from . import set_patched
 
@@ -253,7 +259,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
         **VARIANT_CONFIG[variant],
     )
-    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    tokenizer = load_tokenizer(spec["checkpoint"])
     dataset = Dataset.from_dict({"prompt": prompts(spec["steps"] * processes * spec["prompts"], spec["prompt_len"],
                                                    tokenizer.vocab_size, spec["seed"])})
     steps: list[dict[str, Any]] = []

@@ -58,3 +58,66 @@ def test_cap_leaves_the_driver_share_out_of_torch_fraction(fake_cuda):
     assert int(fake_cuda["fraction"] * 140 * GIB) + driver_share == pytest.approx(5 * GIB, abs=1)
     with pytest.raises(ValueError, match="leaves nothing"):
         device_memory.cap_process_memory(GIB // 2, "cuda")
+
+
+def test_unmapped_memory_is_lent_to_a_cap_and_recalled_exactly(fake_cuda):
+    cleared = []
+    torch.cuda.empty_cache, saved = (lambda: cleared.append(True)), torch.cuda.empty_cache
+    try:
+        assert device_memory.lend_unmapped(4 * GIB) is None  # no cap: nothing to lend
+        fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
+        for _ in range(500):  # every standby cycle of a long run returns to the same cap, without drift
+            lent = device_memory.lend_unmapped(4 * GIB)
+            assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))
+            device_memory.recall_unmapped(lent)
+        assert fake_cuda["fraction"] == 15 * GIB / (140 * GIB) and len(cleared) == 500
+    finally:
+        torch.cuda.empty_cache = saved
+
+
+def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monkeypatch):
+    import sys
+    import types
+
+    from trl_turbo.vllm import engine
+
+    class Allocation:
+        def __init__(self, tag, size):
+            self.tag, self.handle, self.mapped = tag, (None, size), True
+
+    allocations = {1: Allocation("kv_cache", 4 * GIB), 2: Allocation("weights", 3 * GIB)}
+
+    class Allocator:
+        pointer_to_data, allocator_and_pools = allocations, {}
+
+        @staticmethod
+        def get_instance():
+            return Allocator
+
+        @staticmethod
+        def wake_up(tags):
+            for data in allocations.values():
+                if data.tag in tags:
+                    assert fake_cuda["fraction"] == 15 * GIB / (140 * GIB), "mapped back before the cap was restored"
+                    data.mapped = True
+
+    def unmap(handle):
+        next(d for d in allocations.values() if d.handle is handle).mapped = False
+
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
+    cumem.CuMemAllocator, cumem.unmap_and_release, cumem.create_and_map = Allocator, unmap, lambda handle: None
+    for name in ("vllm", "vllm.device_allocator"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner = types.SimpleNamespace(post_kv_cache_wake_up=lambda: None)
+    worker = types.SimpleNamespace(model_runner=runner)
+    llm = types.SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=types.SimpleNamespace(
+        model_executor=types.SimpleNamespace(driver_worker=worker)))
+    fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
+    standby = engine.KVStandby(llm)
+    assert standby.release() == 4 * GIB and not allocations[1].mapped and allocations[2].mapped
+    assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))  # training may use what the KV held
+    assert standby.restore() == 4 * GIB and allocations[1].mapped
+    assert fake_cuda["fraction"] == 15 * GIB / (140 * GIB)

@@ -7,6 +7,9 @@ pools are torch memory pools), so torch refuses whatever would cross it. The CUD
 driver's, outside the fraction: `cap_process_memory` measures them once and leaves them out of the fraction, so the
 driver's count of the process stays within the cap. Everything that sizes itself from free memory reads
 `device_budget`/`device_capacity`, which honour the fraction, so a capped run plans as it would on the smaller GPU.
+Memory unmapped behind torch's back (standby's KV cache: torch still counts the tensor, the device no longer holds
+it) is lent to torch's fraction while it is unmapped (`lend_unmapped`), so a cap limits what the device holds, as a
+smaller GPU would, not what torch's books say.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import torch
 _GIB = 2**30
 
 
+def _index(device: torch.device | str) -> int:
+    device = torch.device(device)  # torch reads the fraction of an indexed device only ("cuda" is the current one)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _fraction(device: torch.device | str) -> float:
     if not torch.cuda.is_initialized():
         return 1.0
-    device = torch.device(device)  # torch reads the fraction of an indexed device only ("cuda" is the current one)
-    return torch.cuda.get_per_process_memory_fraction(device.index if device.index is not None
-                                                      else torch.cuda.current_device())
+    return torch.cuda.get_per_process_memory_fraction(_index(device))
 
 
 def device_capacity(device: torch.device) -> int:
@@ -63,3 +69,23 @@ def cap_process_memory(cap_bytes: int, device: torch.device) -> dict[str, float]
     fraction = (cap_bytes - driver_share) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return {"cap_gib": cap_bytes / _GIB, "driver_share_gib": driver_share / _GIB, "memory_fraction": fraction}
+
+
+def lend_unmapped(unmapped_bytes: int, device: torch.device | str = "cuda") -> float | None:
+    """Under a per-process fraction, let torch allocate `unmapped_bytes` more: memory its books still count but the
+    device no longer holds (just unmapped). Returns the fraction to restore with `recall_unmapped` (None: no cap)."""
+    fraction = _fraction(device)
+    if fraction >= 1.0 or unmapped_bytes <= 0:
+        return None
+    _, total = torch.cuda.mem_get_info(device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, fraction + unmapped_bytes / total), _index(device))
+    return fraction
+
+
+def recall_unmapped(lent: float | None, device: torch.device | str = "cuda") -> None:
+    """Before mapping the lent memory back: hand torch's unused cached blocks to the device and restore the
+    fraction `lend_unmapped` returned."""
+    if lent is None:
+        return
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(lent, _index(device))

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import registry
+from ..device_memory import lend_unmapped, recall_unmapped
 
 ADAPTER_PATH = "trl-turbo://in-memory-adapter"  # never read: ids from `TensorAdapters` are built from tensors
 
@@ -213,6 +214,7 @@ class KVStandby:
         # Device memory in use (all processes' view of this device) when the last generation ended, before the
         # release: what a training phase may grow back to without raising the step's peak (the memory plan's ceiling)
         self.generation_in_use_bytes: int | None = None
+        self._lent: float | None = None  # torch's fraction before the release lent it the unmapped bytes
 
     def _kv_allocations(self) -> list[Any]:
         return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
@@ -242,9 +244,11 @@ class KVStandby:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         self.generation_in_use_bytes = total - free
-        for data in self._kv_allocations() + (self._weight_allocations if self._weights_mapped else []):
+        released = self._kv_allocations() + (self._weight_allocations if self._weights_mapped else [])
+        for data in released:
             unmap_and_release(data.handle)
             vllm_api().mark_mapped(data, False)
+        self._lent = lend_unmapped(sum(data.handle[1] for data in released))  # under a per-process cap only
         self._weights_mapped = False
         self.released = True
         return self.bytes
@@ -255,6 +259,8 @@ class KVStandby:
         from vllm.device_allocator.cumem import create_and_map
 
         if self.released and not self._weights_mapped:
+            recall_unmapped(self._lent)
+            self._lent = None
             for data in self._weight_allocations:
                 create_and_map(data.handle)
                 vllm_api().mark_mapped(data, True)
@@ -267,6 +273,8 @@ class KVStandby:
 
         if not self.released:
             return 0
+        recall_unmapped(self._lent)
+        self._lent = None
         self._allocator.wake_up(tags=["kv_cache"])
         if not self._weights_mapped:
             for data in self._weight_allocations:

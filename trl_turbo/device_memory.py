@@ -54,21 +54,23 @@ def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tup
     return growth + cached_unused, allocated, int(fraction * total) if fraction < 1.0 else total
 
 
-def cap_process_memory(cap_bytes: int, device: torch.device) -> dict[str, float]:
+def cap_process_memory(cap_bytes: int, device: torch.device, others_bytes: int = 0) -> dict[str, float]:
     """Limit this process to `cap_bytes` of `device` as the driver counts it (call it before anything allocates):
     the driver's own share (CUDA context, loaded kernels) is measured and the rest becomes torch's per-process
-    fraction. Returns the cap, the driver's share measured and the fraction set; ValueError when the cap leaves
-    torch nothing."""
+    fraction. `others_bytes`: what other processes held on the device just before this one started (the driver's
+    free memory is the device's, not the process's). Returns the cap, the driver's share measured and the fraction
+    set; ValueError when the cap leaves torch nothing."""
     torch.cuda.init()
     torch.zeros(1, device=device)  # the context and the allocator exist: their share is in the driver's count
     free, total = torch.cuda.mem_get_info(device)
-    driver_share = (total - free) - torch.cuda.memory_reserved(device)
+    driver_share = max(0, (total - free) - torch.cuda.memory_reserved(device) - others_bytes)
     if cap_bytes <= driver_share:
         raise ValueError(f"a cap of {cap_bytes / _GIB:.2f} GiB leaves nothing beside the CUDA context "
                          f"({driver_share / _GIB:.2f} GiB)")
     fraction = (cap_bytes - driver_share) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return {"cap_gib": cap_bytes / _GIB, "driver_share_gib": driver_share / _GIB, "memory_fraction": fraction}
+    return {"cap_gib": cap_bytes / _GIB, "driver_share_gib": driver_share / _GIB, "others_gib": others_bytes / _GIB,
+            "memory_fraction": fraction}
 
 
 def lend_unmapped(unmapped_bytes: int, device: torch.device | str = "cuda") -> float | None:

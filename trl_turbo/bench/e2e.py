@@ -238,7 +238,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     torch.cuda.set_device(device)
     torch.cuda.init()
-    cap = cap_process_memory(int(spec["gpu_gib"] * GIB), device) if spec.get("gpu_gib") else {}
+    cap = (cap_process_memory(int(spec["gpu_gib"] * GIB), device, others_bytes=spec["device_used_before"])
+           if spec.get("gpu_gib") else {})
     processes = int(os.environ.get("WORLD_SIZE", 1))
     row: dict[str, Any] = {**cap, "variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
                            "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
@@ -440,6 +441,7 @@ def run(args: argparse.Namespace) -> Path:
     start = time.perf_counter()
     prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda")
     torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)  # this driver's CUDA context and any other process: not a child's
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
               "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib,
@@ -464,7 +466,7 @@ def run(args: argparse.Namespace) -> Path:
             for variant in variants:
                 processes = config["processes_per_launch"][launch]
                 spec = {"variant": variant, "launch": launch, "processes": processes, "checkpoint": str(checkpoint),
-                        "output_dir": output_dir, **config}
+                        "output_dir": output_dir, "device_used_before": total - free, **config}
                 row = _run_child(spec, args.variant_timeout)
                 rows.append(row)
                 print(format_row(row), flush=True)

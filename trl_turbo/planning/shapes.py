@@ -17,6 +17,10 @@ QUANTIZATIONS: dict[str, dict[str, Any]] = {
             "bnb_4bit_compute_dtype": "bfloat16"},
 }
 
+# Llama 3.1 and 3.3 share their RoPE scaling (the config.json field, as published)
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
         "model_type": "llama",
@@ -29,33 +33,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "tie_word_embeddings": False,
-    },
-    "llama-3.3-70b": {
-        "model_type": "llama",
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": LLAMA3_ROPE_SCALING,
         "tie_word_embeddings": False,
     },
     "qwen2.5-1.5b": {
@@ -134,6 +112,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+
+# Llama-3.3-70B: Llama-3.1-8B's vocabulary, RoPE and head layout (8 KV heads of 128) at 70B sizes
+SHAPES["llama-3.3-70b"] = {**SHAPES["llama-3.1-8b"], "hidden_size": 8192, "intermediate_size": 28672,
+                           "num_hidden_layers": 80, "num_attention_heads": 64}
 
 # (hidden, vocab) pairs of the LM-head loss benchmark; `issue3` covers an untied 8B head and a tied 1.5B head.
 LOSS_PRESETS: dict[str, list[tuple[int, int]]] = {

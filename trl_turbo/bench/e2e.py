@@ -37,6 +37,7 @@ from ..device_memory import cap_process_memory
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from .results import DEFAULT_RESULTS_DIR, GIB
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
+from .quantized_checkpoint import save_4bit_checkpoint
 
 # What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
 # KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the
@@ -80,24 +81,30 @@ def wordlevel_tokenizer(vocab_size: int) -> Any:
                                    bos_token=bos)
 
 
-def prepare_checkpoint(shape: str, path: Path, seed: int, device: str) -> dict[str, Any]:
-    """Save a random-init bf16 model of ``shape`` and its tokenizer to ``path`` (reused when already there)."""
+def prepare_checkpoint(shape: str, path: Path, seed: int, device: str,
+                       quantization: str = "none") -> dict[str, Any]:
+    """Save a random-init bf16 model of ``shape`` and its tokenizer to ``path`` (reused when already there); with a
+    4-bit ``quantization``, saved already quantized, one decoder layer at a time (a 70B shape never exists in 16
+    bits)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    identity = {"shape": shape, "model_config": SHAPES[shape], "seed": seed}
+    identity = {"shape": shape, "model_config": SHAPES[shape], "seed": seed, "quantization": quantization}
     marker = path / CHECKPOINT_MARKER
     if marker.exists() and json.loads(marker.read_text()) == identity:
         return identity
     path.mkdir(parents=True, exist_ok=True)
     config = build_config(shape)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 3, 1, 2
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    if QUANTIZATIONS[quantization].get("load_in_4bit"):
+        save_4bit_checkpoint(config, path, seed, device, QUANTIZATIONS[quantization])
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        del model
     wordlevel_tokenizer(config.vocab_size).save_pretrained(path)
-    del model
     marker.write_text(json.dumps(identity))
     return identity
 
@@ -437,9 +444,10 @@ def run(args: argparse.Namespace) -> Path:
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     workload = resolve_workload(args)
-    checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}")
+    quantized = "" if args.quantization == "none" else f"-{args.quantization}"
+    checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}{quantized}")
     start = time.perf_counter()
-    prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda")
+    prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda", args.quantization)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)  # this driver's CUDA context and any other process: not a child's
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
@@ -455,7 +463,6 @@ def run(args: argparse.Namespace) -> Path:
                                 "generation_kwargs": {"ignore_eos": True},
                                 "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
     meta = metadata("e2e", device, config)
-    quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     several = "" if launches == [SINGLE_GPU] else f"-{args.processes}gpu"
     preset = "" if args.preset == "anchor" else f"-{args.preset}"
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"

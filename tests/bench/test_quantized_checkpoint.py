@@ -1,0 +1,94 @@
+"""The pre-quantized random checkpoint (`bench/quantized_checkpoint.py`): transformers loads it as a 4-bit model
+whose tensors are those its own 4-bit layers hold, and it is written without ever holding the 16-bit model (CPU,
+bitsandbytes' CPU kernels)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trl_turbo.bench import quantized_checkpoint
+from trl_turbo.planning.shapes import QUANTIZATIONS, SHAPES, build_config
+
+from helpers import needs_bnb
+
+
+def _file_tensors(path):
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, "pt") as handle:
+            for key in handle.keys():
+                shapes[key] = (tuple(handle.get_slice(key).get_shape()), handle.get_slice(key).get_dtype())
+    return shapes
+
+
+@needs_bnb
+@pytest.mark.parametrize("shape", ["tiny", "qwen2.5-1.5b"])  # untied head; tied embeddings
+def test_checkpoint_loads_as_transformers_own_4bit_model(shape, tmp_path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from transformers import AutoConfig
+
+    params = dict(SHAPES[shape])
+    if shape != "tiny":  # the family's layout at a test size
+        params.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=300)
+    config = AutoConfig.for_model(params.pop("model_type"), **params)
+    path = tmp_path / "ckpt"
+    quantized_checkpoint.save_4bit_checkpoint(config, path, seed=0, device="cpu", quantization=QUANTIZATIONS["nf4"],
+                                              shard_bytes=20_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded, and every tensor is in the index
+    assert set(index["weight_map"]) == set(_file_tensors(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert type(q_proj).__name__ == "Linear4bit" and q_proj.weight.dtype == torch.uint8
+    assert q_proj.weight.quant_state.quant_type == "nf4" and q_proj.weight.quant_state.nested  # double quantization
+    logits = model(torch.tensor([[5, 6, 7]])).logits
+    assert torch.isfinite(logits.float()).all() and logits.float().std() > 0
+    # the same names, shapes and dtypes as transformers' own 4-bit layers hold for this config
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    reference.save_pretrained(tmp_path / "bf16")
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS["nf4"]))
+    expected = {name: tuple(t.shape) for name, t in reference.state_dict().items()
+                if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    written = {name: shape for name, (shape, _) in _file_tensors(path).items()}
+    state_blob = "quant_state.bitsandbytes__nf4"  # a JSON text whose length varies with its numbers
+    assert written.keys() == expected.keys()
+    assert {n: s for n, s in written.items() if state_blob not in n} == {
+        n: s for n, s in expected.items() if state_blob not in n}
+
+
+@needs_bnb
+def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
+    live, most = [], [0]
+    materialise = quantized_checkpoint._materialise
+
+    def counting(module, model, device):
+        materialise(module, model, device)
+        live.append(module)
+        layers = [m for m in live if any(p.device.type != "meta" for p in m.parameters())]
+        most[0] = max(most[0], sum(1 for m in layers if type(m).__name__.endswith("DecoderLayer")))
+        return module
+
+    monkeypatch.setattr(quantized_checkpoint, "_materialise", counting)
+    config = build_config("tiny")
+    config.num_hidden_layers = 4
+    quantized_checkpoint.save_4bit_checkpoint(config, tmp_path, seed=0, device="cpu", quantization=QUANTIZATIONS["nf4"])
+    assert sum(type(m).__name__.endswith("DecoderLayer") for m in live) == 4 and most[0] == 1
+
+
+@needs_bnb
+def test_e2e_saves_a_4bit_run_checkpoint_already_quantized(tmp_path):
+    from trl_turbo.bench import e2e
+
+    identity = e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu", quantization="nf4")
+    assert identity["quantization"] == "nf4"
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    assert len(e2e.load_tokenizer(tmp_path)(e2e.prompts(1, 4, 512, seed=0)[0]).input_ids) == 4
+    assert e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu", quantization="nf4") == identity  # reused

@@ -1,0 +1,125 @@
+"""A random-init checkpoint saved already quantized (bitsandbytes NF4), one decoder layer at a time.
+
+Design decision: the 16-bit route (build the whole model, save it, let bitsandbytes quantize it at load) needs the
+16-bit model in memory and on disk: 141 GB for a 70B shape, more than the GPU machine's disk. Here the model exists
+only on the meta device; each decoder layer in turn is materialised on the device, initialised by the model's own
+`_init_weights` (as `from_config` would), its linear weights quantized by bitsandbytes, written into the current
+shard and dropped. The files are what transformers writes for a 4-bit model (`save_pretrained` of a `Linear4bit`:
+the packed weight plus its quantization state under `<weight>.<key>`, `quantization_config` in config.json), so
+transformers and vLLM load them as a pre-quantized checkpoint. Embeddings, norms and the LM head stay 16-bit, as
+transformers leaves them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHARD_BYTES = 4 * 2**30
+
+
+class _ShardWriter:
+    """Collects tensors and writes `model-XXXXX-of-YYYYY.safetensors` shards plus their index."""
+
+    def __init__(self, path: Path, shard_bytes: int) -> None:
+        self.path, self.shard_bytes = path, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        self.pending[name] = tensor
+        self.pending_bytes += tensor.numel() * tensor.element_size()
+        self.total_bytes += tensor.numel() * tensor.element_size()
+        if self.pending_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        save_file(self.pending, self.path / f"part-{len(self.shards):05d}.safetensors", metadata={"format": "pt"})
+        self.shards.append(sorted(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        weight_map = {}
+        for index, names in enumerate(self.shards):
+            final = f"model-{index + 1:05d}-of-{len(self.shards):05d}.safetensors"
+            (self.path / f"part-{index:05d}.safetensors").rename(self.path / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _materialise(module: torch.nn.Module, model: Any, device: str | torch.device) -> torch.nn.Module:
+    module.to_empty(device=device)
+    module.apply(model._init_weights)
+    return module
+
+
+def _write_module(writer: _ShardWriter, prefix: str, module: torch.nn.Module, quantize: bool,
+                  quantization: dict[str, Any]) -> None:
+    """Write `module`'s parameters under `prefix`; with `quantize`, its Linear weights as bitsandbytes 4-bit."""
+    import bitsandbytes.functional as bnb_functional
+
+    linear_weights = {f"{name}.weight" for name, child in module.named_modules()
+                      if isinstance(child, torch.nn.Linear)} if quantize else set()
+    for name, param in module.named_parameters():
+        if name in linear_weights:
+            packed, state = bnb_functional.quantize_4bit(
+                param.data, quant_type=quantization["bnb_4bit_quant_type"],
+                compress_statistics=quantization.get("bnb_4bit_use_double_quant", False), quant_storage=torch.uint8)
+            writer.add(f"{prefix}{name}", packed)
+            for key, value in state.as_dict(packed=True).items():
+                writer.add(f"{prefix}{name}.{key}", value)
+        else:
+            writer.add(f"{prefix}{name}", param.data)
+
+
+def save_4bit_checkpoint(config: Any, path: Path, seed: int, device: str | torch.device,
+                         quantization: dict[str, Any], shard_bytes: int = SHARD_BYTES) -> None:
+    """Save a random-init model of `config` to `path`, its decoder layers' linear weights quantized as
+    `quantization` (`BitsAndBytesConfig` arguments with `load_in_4bit`), without ever holding the 16-bit model."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = copy.deepcopy(config)  # the caller's config stays unquantized
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    decoder = model.get_decoder()
+    layers_prefix = next(name for name, module in model.named_modules() if module is decoder.layers) + "."
+    writer = _ShardWriter(path, shard_bytes)
+    done: set[str] = set()
+    for name, module in model.named_modules():
+        if module is decoder.layers:
+            for index, layer in enumerate(decoder.layers):
+                _write_module(writer, f"{layers_prefix}{index}.", _materialise(layer, model, device), True,
+                              quantization)
+                layer.to("meta")  # dropped before the next layer is built
+            done.add(name)
+            continue
+        if any(name.startswith(parent + ".") for parent in done) or not list(module.parameters(recurse=False)):
+            continue
+        # A module holding parameters of its own outside the layers (embeddings, final norm, untied LM head)
+        if model.config.tie_word_embeddings and module is model.get_output_embeddings():
+            continue  # tied: the input embedding's weight is the only copy, as save_pretrained writes it
+        prefix = f"{name}." if name else ""
+        _materialise(module, model, device)
+        for param_name, param in module.named_parameters(recurse=False):
+            writer.add(f"{prefix}{param_name}", param.data)
+        module.to("meta")
+    writer.close()
+    config = model.config
+    config.quantization_config = BitsAndBytesConfig(**quantization).to_dict()
+    config.save_pretrained(path)

@@ -110,7 +110,10 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
         next(d for d in allocations.values() if d.handle is handle).mapped = False
 
     cumem = types.ModuleType("vllm.device_allocator.cumem")
-    cumem.CuMemAllocator, cumem.unmap_and_release, cumem.create_and_map = Allocator, unmap, lambda handle: None
+    def remap(handle):
+        next(d for d in allocations.values() if d.handle is handle).mapped = True
+
+    cumem.CuMemAllocator, cumem.unmap_and_release, cumem.create_and_map = Allocator, unmap, remap
     for name in ("vllm", "vllm.device_allocator"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
@@ -120,9 +123,25 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
     worker = types.SimpleNamespace(model_runner=runner)
     llm = types.SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=types.SimpleNamespace(
         model_executor=types.SimpleNamespace(driver_worker=worker)))
-    fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
+    base = fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
     standby = engine.KVStandby(llm)
     assert standby.release() == 4 * GIB and not allocations[1].mapped and allocations[2].mapped
     assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))  # training may use what the KV held
     assert standby.restore() == 4 * GIB and allocations[1].mapped
-    assert fake_cuda["fraction"] == 15 * GIB / (140 * GIB)
+    assert fake_cuda["fraction"] == base
+    # with the fp8 copy's allocations (here: the 3 GiB one) released too, mapping them back first keeps only the
+    # KV cache's bytes lent until the KV cache itself is mapped
+    standby._weight_allocations, standby.bytes = [allocations[2]], 7 * GIB
+    standby.release()
+    assert fake_cuda["fraction"] == pytest.approx(22 * GIB / (140 * GIB)) and not allocations[2].mapped
+    standby.restore_weights()
+    assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))
+    standby.restore()
+    assert fake_cuda["fraction"] == base
+    # an engine dropped while released gives the loan back
+    standby.release()
+    del standby
+    import gc
+
+    gc.collect()
+    assert fake_cuda["fraction"] == base

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trl_turbo"
 
 # Top-level name under trl_turbo -> layer (imports may only point to the same layer or a lower one).
 LAYERS: dict[str, int] = {
-    "registry": 0, "versions": 0, "vllm_contract": 0, "distributed": 0, "host_memory": 0, "device_memory": 0, "families": 0,
+    "registry": 0, "versions": 0, "vllm_contract": 0, "distributed": 0, "host_memory": 0, "device_memory": 0,
+    "families": 0,
     "kernels": 1,
     "ops": 2,
     "losses": 3,

@@ -243,9 +243,12 @@ class TurboFields:
             "help": "With use_vllm=True and vllm_mode='colocate': release only vLLM's KV cache while training runs "
             "and map it back before the next generation; vLLM's weights stay in place (TRL's "
             "vllm_enable_sleep_mode drops and re-pushes them). Unless vllm_gpu_memory_utilization is changed from "
-            "TRL's default, the KV cache takes the device memory left after the weights, the trainable parameters "
-            "with their optimizer states and a margin. With several processes each releases its own engine's KV "
-            "cache; vllm_tensor_parallel_size=1."
+            "TRL's default, the KV cache takes the device memory left (within torch's per-process memory fraction, "
+            "if one is set) after the weights, the trainable parameters with their optimizer states, vLLM's "
+            "sampling workspace and a margin (5 percent of the device, at least 2 GiB or 10 percent of it, the "
+            "smaller), never more than its sequences can fill. Under a memory fraction the unmapped KV cache is lent "
+            "to it while training runs. With several processes each releases its own engine's KV cache; "
+            "vllm_tensor_parallel_size=1."
         },
     )
     turbo_vllm_kv_cache_dtype: str = field(

@@ -5,8 +5,9 @@ Design decision: a cap is torch's per-process memory fraction, because every dev
 goes through torch's caching allocator (training tensors, vLLM's weights, KV cache and CUDA graphs, whose sleep-mode
 pools are torch memory pools), so torch refuses whatever would cross it. The CUDA context and kernel images are the
 driver's, outside the fraction: `cap_process_memory` measures them once and leaves them out of the fraction, so the
-driver's count of the process stays within the cap. Everything that sizes itself from free memory reads
-`device_budget`/`device_capacity`, which honour the fraction, so a capped run plans as it would on the smaller GPU.
+driver's count of the process stays within the cap, up to what the driver loads later (kernels loaded lazily).
+Everything that sizes itself from free memory reads `device_budget`/`device_capacity`, which honour the fraction, so
+a capped run plans as it would on the smaller GPU.
 Memory unmapped behind torch's back (standby's KV cache: torch still counts the tensor, the device no longer holds
 it) is lent to torch's fraction while it is unmapped (`lend_unmapped`), so a cap limits what the device holds, as a
 smaller GPU would, not what torch's books say.

@@ -55,13 +55,20 @@ def test_checkpoint_loads_as_transformers_own_4bit_model(shape, tmp_path):
     reference.save_pretrained(tmp_path / "bf16")
     reference = AutoModelForCausalLM.from_pretrained(
         tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(**QUANTIZATIONS["nf4"]))
-    expected = {name: tuple(t.shape) for name, t in reference.state_dict().items()
+    dtype_names = {torch.bfloat16: "BF16", torch.uint8: "U8", torch.float32: "F32"}
+    expected = {name: (tuple(t.shape), dtype_names[t.dtype]) for name, t in reference.state_dict().items()
                 if not (config.tie_word_embeddings and name == "lm_head.weight")}
-    written = {name: shape for name, (shape, _) in _file_tensors(path).items()}
+    written = _file_tensors(path)
     state_blob = "quant_state.bitsandbytes__nf4"  # a JSON text whose length varies with its numbers
     assert written.keys() == expected.keys()
     assert {n: s for n, s in written.items() if state_blob not in n} == {
         n: s for n, s in expected.items() if state_blob not in n}
+    # config.json: what save_pretrained writes for the model (vLLM picks its class by `architectures`) plus the
+    # quantization; the caller's config is left as it was
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["architectures"] == [type(reference).__name__]
+    assert saved["quantization_config"]["quant_method"] == "bitsandbytes"
+    assert getattr(config, "quantization_config", None) is None
 
 
 @needs_bnb
@@ -87,8 +94,20 @@ def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
 def test_e2e_saves_a_4bit_run_checkpoint_already_quantized(tmp_path):
     from trl_turbo.bench import e2e
 
+    e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu")  # 16-bit first, in the same folder
+    assert (tmp_path / "model.safetensors").exists()
     identity = e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu", quantization="nf4")
     assert identity["quantization"] == "nf4"
+    assert not (tmp_path / "model.safetensors").exists()  # it would shadow the sharded 4-bit files
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
     assert len(e2e.load_tokenizer(tmp_path)(e2e.prompts(1, 4, 512, seed=0)[0]).input_ids) == 4
     assert e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu", quantization="nf4") == identity  # reused
+
+
+def test_building_a_shape_leaves_the_table_unchanged():
+    import copy
+
+    before = copy.deepcopy(SHAPES)
+    for shape in ("llama-3.1-8b", "llama-3.3-70b"):
+        build_config(shape)
+    assert SHAPES == before  # else a checkpoint's identity drifts and it is rebuilt in every process

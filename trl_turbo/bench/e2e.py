@@ -89,11 +89,14 @@ def prepare_checkpoint(shape: str, path: Path, seed: int, device: str,
     import torch
     from transformers import AutoModelForCausalLM
 
-    identity = {"shape": shape, "model_config": SHAPES[shape], "seed": seed, "quantization": quantization}
+    identity = json.loads(json.dumps({"shape": shape, "model_config": SHAPES[shape], "seed": seed,
+                                      "quantization": quantization}))
     marker = path / CHECKPOINT_MARKER
     if marker.exists() and json.loads(marker.read_text()) == identity:
         return identity
     path.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.glob("*.safetensors"), path / "model.safetensors.index.json", marker]:
+        stale.unlink(missing_ok=True)  # another shape's or precision's weights would shadow or confuse the new ones
     config = build_config(shape)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 3, 1, 2
     if QUANTIZATIONS[quantization].get("load_in_4bit"):
@@ -246,7 +249,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.set_device(device)
     torch.cuda.init()
     cap = (cap_process_memory(int(spec["gpu_gib"] * GIB), device, others_bytes=spec["device_used_before"])
-           if spec.get("gpu_gib") else {})
+           if spec.get("gpu_gib") is not None else {})
     processes = int(os.environ.get("WORLD_SIZE", 1))
     row: dict[str, Any] = {**cap, "variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
                            "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
@@ -436,9 +439,13 @@ def run(args: argparse.Namespace) -> Path:
     launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
     if args.gpu_gib is not None and launches != [SINGLE_GPU]:
         raise SystemExit("--gpu-gib caps a one-GPU run; leave --launches at 1gpu")
+    if args.gpu_gib is not None and args.gpu_gib <= 0:
+        raise SystemExit(f"--gpu-gib must be a positive number of GiB, got {args.gpu_gib}")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         raise SystemExit("the e2e benchmark runs vLLM: it needs a CUDA GPU")
+    if args.gpu_gib is not None and args.gpu_gib * GIB > torch.cuda.mem_get_info(device)[1]:
+        raise SystemExit(f"--gpu-gib {args.gpu_gib:g} is more than the GPU has")
     for launch in launches:
         launch_command(launch, args.processes)  # an unknown launch fails before anything runs
     if args.quantization not in QUANTIZATIONS:

@@ -121,5 +121,6 @@ def save_4bit_checkpoint(config: Any, path: Path, seed: int, device: str | torch
         module.to("meta")
     writer.close()
     config = model.config
+    config.architectures = [type(model).__name__]  # what save_pretrained records; vLLM picks its model class by it
     config.quantization_config = BitsAndBytesConfig(**quantization).to_dict()
     config.save_pretrained(path)

@@ -8,6 +8,7 @@ tying, RoPE base/scaling); tokenizer and generation fields are left out. ``tiny`
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 # bitsandbytes settings a benchmark can load its model with (`BitsAndBytesConfig` arguments, JSON-able)
@@ -130,5 +131,5 @@ def build_config(shape: str) -> Any:
 
     if shape not in SHAPES:
         raise KeyError(f"unknown shape {shape!r}; known shapes: {', '.join(sorted(SHAPES))}")
-    params = dict(SHAPES[shape])
+    params = copy.deepcopy(SHAPES[shape])  # transformers edits nested dicts (rope_scaling) in place
     return AutoConfig.for_model(params.pop("model_type"), **params)

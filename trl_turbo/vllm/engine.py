@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -188,6 +189,11 @@ def _expected_lora_modules(adapter_manager: Any) -> set[str]:
     return expected
 
 
+def _give_back(loan: list[float | None]) -> None:
+    if loan[0] is not None:
+        recall_unmapped(loan[0])
+
+
 class KVStandby:
     """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees.
 
@@ -214,7 +220,9 @@ class KVStandby:
         # Device memory in use (all processes' view of this device) when the last generation ended, before the
         # release: what a training phase may grow back to without raising the step's peak (the memory plan's ceiling)
         self.generation_in_use_bytes: int | None = None
-        self._lent: float | None = None  # torch's fraction before the release lent it the unmapped bytes
+        # torch's fraction before a release lent it the unmapped bytes; given back if the engine goes while released
+        self._loan: list[float | None] = [None]
+        weakref.finalize(self, _give_back, self._loan).atexit = False
 
     def _kv_allocations(self) -> list[Any]:
         return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
@@ -248,7 +256,7 @@ class KVStandby:
         for data in released:
             unmap_and_release(data.handle)
             vllm_api().mark_mapped(data, False)
-        self._lent = lend_unmapped(sum(data.handle[1] for data in released))  # under a per-process cap only
+        self._loan[0] = lend_unmapped(sum(data.handle[1] for data in released))  # under a per-process cap only
         self._weights_mapped = False
         self.released = True
         return self.bytes
@@ -259,8 +267,8 @@ class KVStandby:
         from vllm.device_allocator.cumem import create_and_map
 
         if self.released and not self._weights_mapped:
-            recall_unmapped(self._lent)
-            self._lent = None
+            recall_unmapped(self._loan[0])  # the KV cache stays unmapped: only its bytes stay lent
+            self._loan[0] = lend_unmapped(self.kv_bytes)
             for data in self._weight_allocations:
                 create_and_map(data.handle)
                 vllm_api().mark_mapped(data, True)
@@ -273,8 +281,8 @@ class KVStandby:
 
         if not self.released:
             return 0
-        recall_unmapped(self._lent)
-        self._lent = None
+        recall_unmapped(self._loan[0])
+        self._loan[0] = None
         self._allocator.wake_up(tags=["kv_cache"])
         if not self._weights_mapped:
             for data in self._weight_allocations:

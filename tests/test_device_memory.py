@@ -30,14 +30,13 @@ def fake_cuda(monkeypatch):
 
 def test_uncapped_budget_is_driver_free_plus_torch_cache(fake_cuda):
     assert device_memory.device_budget("cuda") == (100 * GIB + 2 * GIB, 10 * GIB, 140 * GIB)
-    assert device_memory.device_capacity("cuda") == 140 * GIB
 
 
 def test_a_cap_bounds_the_budget_and_the_capacity(fake_cuda):
     fake_cuda["fraction"] = 20 * GIB / (140 * GIB)  # a 20 GiB process on a 140 GiB device with 100 GiB free
     free, allocated, capacity = device_memory.device_budget("cuda")
     assert free == (20 * GIB - 12 * GIB) + 2 * GIB and allocated == 10 * GIB
-    assert capacity == device_memory.device_capacity("cuda") == 20 * GIB
+    assert capacity == 20 * GIB
     # a ceiling below the cap binds instead
     assert device_memory.device_budget("cuda", ceiling_bytes=45 * GIB)[0] == (45 * GIB - 40 * GIB) + 2 * GIB
 
@@ -45,7 +44,7 @@ def test_a_cap_bounds_the_budget_and_the_capacity(fake_cuda):
 def test_before_cuda_starts_there_is_no_fraction_to_read(fake_cuda):
     fake_cuda["initialized"] = False
     fake_cuda["fraction"] = 0.01  # would raise on a machine without CUDA; not consulted
-    assert device_memory.device_capacity("cuda") == 140 * GIB
+    assert device_memory.device_budget("cuda")[2] == 140 * GIB
 
 
 def test_cap_leaves_the_driver_share_out_of_torch_fraction(fake_cuda):

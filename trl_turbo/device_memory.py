@@ -6,7 +6,7 @@ goes through torch's caching allocator (training tensors, vLLM's weights, KV cac
 pools are torch memory pools), so torch refuses whatever would cross it. The CUDA context and kernel images are the
 driver's, outside the fraction: `cap_process_memory` measures them once and leaves them out of the fraction, so the
 driver's count of the process stays within the cap, up to what the driver loads later (kernels loaded lazily).
-Everything that sizes itself from free memory reads `device_budget`/`device_capacity`, which honour the fraction, so
+Everything that sizes itself from free memory reads `device_budget`, which honours the fraction, so
 a capped run plans as it would on the smaller GPU.
 Memory unmapped behind torch's back (standby's KV cache: torch still counts the tensor, the device no longer holds
 it) is lent to torch's fraction while it is unmapped (`lend_unmapped`), so a cap limits what the device holds, as a
@@ -31,28 +31,24 @@ def _fraction(device: torch.device | str) -> float:
     return torch.cuda.get_per_process_memory_fraction(_index(device))
 
 
-def device_capacity(device: torch.device) -> int:
-    """The bytes this process may use on `device`: the device's memory, or the part torch's fraction allows."""
-    _, total = torch.cuda.mem_get_info(device)
-    fraction = _fraction(device)
-    return int(fraction * total) if fraction < 1.0 else total
-
-
 def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tuple[int, int, int]:
     """(free bytes a plan may count on, bytes torch has allocated, capacity) of a CUDA device: the driver's free
     memory plus torch's cached blocks that hold nothing, within torch's per-process memory fraction and, if given, a
-    ceiling on the device memory in use (`ceiling_bytes`: what the generation phase used)."""
+    ceiling on the device memory in use (`ceiling_bytes`: what the generation phase used). The capacity is the
+    device's memory, or the part the fraction allows."""
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     reserved = torch.cuda.memory_reserved(device)
     cached_unused = reserved - allocated
+    capacity = total
     growth = free
     fraction = _fraction(device)
     if fraction < 1.0:  # torch refuses to reserve beyond it (a capped run)
-        growth = min(growth, max(0, int(fraction * total) - reserved))
+        capacity = int(fraction * total)
+        growth = min(growth, max(0, capacity - reserved))
     if ceiling_bytes is not None:
         growth = min(growth, max(0, ceiling_bytes - (total - free)))
-    return growth + cached_unused, allocated, int(fraction * total) if fraction < 1.0 else total
+    return growth + cached_unused, allocated, capacity
 
 
 def cap_process_memory(cap_bytes: int, device: torch.device, others_bytes: int = 0) -> dict[str, float]:

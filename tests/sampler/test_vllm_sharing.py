@@ -193,8 +193,8 @@ def test_kv_budget_is_what_is_left_after_persistent_memory():
 
 def test_sampling_workspace_counts_logits_of_sampled_rows_only():
     # vLLM computes logits for one row per sequence: 8 sequences of a 151,936-token vocabulary, three fp32 copies
-    assert sampling_workspace_bytes(8, 4096, 151936, 1536) == 4096 * 16 * 1536 * 4 + 3 * 8 * 151936 * 4
-    assert sampling_workspace_bytes(256, 4096, 151936, 1536) > sampling_workspace_bytes(8, 4096, 151936, 1536)
+    assert sampling_workspace_bytes(8, 151936, 1536) == 4096 * 16 * 1536 * 4 + 3 * 8 * 151936 * 4
+    assert sampling_workspace_bytes(256, 151936, 1536) > sampling_workspace_bytes(8, 151936, 1536)
 
 
 

@@ -65,14 +65,12 @@ def _materialise(module: torch.nn.Module, model: Any, device: str | torch.device
     return module
 
 
-def _write_module(writer: _ShardWriter, prefix: str, module: torch.nn.Module, quantize: bool,
-                  quantization: dict[str, Any]) -> None:
-    """Write `module`'s parameters under `prefix`; with `quantize`, its Linear weights as bitsandbytes 4-bit."""
+def _write_layer(writer: _ShardWriter, prefix: str, layer: torch.nn.Module, quantization: dict[str, Any]) -> None:
+    """Write a decoder layer's parameters under `prefix`, its Linear weights as bitsandbytes 4-bit."""
     import bitsandbytes.functional as bnb_functional
 
-    linear_weights = {f"{name}.weight" for name, child in module.named_modules()
-                      if isinstance(child, torch.nn.Linear)} if quantize else set()
-    for name, param in module.named_parameters():
+    linear_weights = {f"{name}.weight" for name, child in layer.named_modules() if isinstance(child, torch.nn.Linear)}
+    for name, param in layer.named_parameters():
         if name in linear_weights:
             packed, state = bnb_functional.quantize_4bit(
                 param.data, quant_type=quantization["bnb_4bit_quant_type"],
@@ -98,26 +96,21 @@ def save_4bit_checkpoint(config: Any, path: Path, seed: int, device: str | torch
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     decoder = model.get_decoder()
-    layers_prefix = next(name for name, module in model.named_modules() if module is decoder.layers) + "."
+    layers_name = next(name for name, module in model.named_modules() if module is decoder.layers)
     writer = _ShardWriter(path, shard_bytes)
-    done: set[str] = set()
+    for index, layer in enumerate(decoder.layers):
+        _write_layer(writer, f"{layers_name}.{index}.", _materialise(layer, model, device), quantization)
+        layer.to("meta")  # dropped before the next layer is built
+    # The modules holding parameters of their own outside the layers: embeddings, final norm, an untied LM head
     for name, module in model.named_modules():
-        if module is decoder.layers:
-            for index, layer in enumerate(decoder.layers):
-                _write_module(writer, f"{layers_prefix}{index}.", _materialise(layer, model, device), True,
-                              quantization)
-                layer.to("meta")  # dropped before the next layer is built
-            done.add(name)
+        if (name == layers_name or name.startswith(layers_name + ".")
+                or not list(module.parameters(recurse=False))):
             continue
-        if any(name.startswith(parent + ".") for parent in done) or not list(module.parameters(recurse=False)):
-            continue
-        # A module holding parameters of its own outside the layers (embeddings, final norm, untied LM head)
         if model.config.tie_word_embeddings and module is model.get_output_embeddings():
             continue  # tied: the input embedding's weight is the only copy, as save_pretrained writes it
-        prefix = f"{name}." if name else ""
         _materialise(module, model, device)
         for param_name, param in module.named_parameters(recurse=False):
-            writer.add(f"{prefix}{param_name}", param.data)
+            writer.add(f"{name}.{param_name}" if name else param_name, param.data)
         module.to("meta")
     writer.close()
     config = model.config

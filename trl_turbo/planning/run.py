@@ -19,7 +19,6 @@ from ..vllm.kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
     kv_bytes_per_token,
-    VLLM_BATCHED_TOKENS,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
@@ -115,8 +114,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                 engine_kv = auto_kv_cache_bytes(
                     free_bytes=capacity_bytes - CONTEXT_BYTES - static, total_bytes=capacity_bytes,
                     vllm_weight_bytes=engine_weights, trainable_params=trainable,
-                    sampling_workspace_bytes=sampling_workspace_bytes(
-                        max_num_seqs, VLLM_BATCHED_TOKENS, spec.vocab_size, spec.hidden_size),
+                    sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, spec.vocab_size,
+                                                                      spec.hidden_size),
                     useful_bytes=useful)
             except ValueError as exc:
                 error = str(exc)

@@ -28,7 +28,6 @@ from .kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
     kv_bytes_per_token,
-    VLLM_BATCHED_TOKENS,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
@@ -292,8 +291,7 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     return auto_kv_cache_bytes(
         free_bytes=free, total_bytes=total, vllm_weight_bytes=_vllm_weight_bytes(model, sharing, sampling),
         trainable_params=trainable,
-        sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, VLLM_BATCHED_TOKENS, text.vocab_size,
-                                                          text.hidden_size),
+        sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, text.vocab_size, text.hidden_size),
         useful_bytes=useful,
     )
 

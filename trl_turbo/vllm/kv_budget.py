@@ -68,8 +68,8 @@ def expected_seq_len(*, max_model_length: int | None, max_completion_length: int
     return max_model_length or max_completion_length + PROMPT_ALLOWANCE_TOKENS
 
 
-def sampling_workspace_bytes(max_num_seqs: int, max_num_batched_tokens: int, vocab_size: int,
-                             hidden_size: int) -> int:
+def sampling_workspace_bytes(max_num_seqs: int, vocab_size: int, hidden_size: int,
+                             max_num_batched_tokens: int = VLLM_BATCHED_TOKENS) -> int:
     """vLLM's activation peak for one scheduler step: a few hidden states of the step's tokens, and fp32 logits of
     the rows it samples (one per sequence: vLLM computes logits only where a token is sampled) with their
     log-softmax and sampling probabilities."""

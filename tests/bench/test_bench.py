@@ -102,6 +102,29 @@ def test_train_both_variants(tmp_path, tis):
 
 
 @needs_turbo
+def test_train_forward_token_budget_splits_turbo_micro_batches(tmp_path, monkeypatch):
+    from trl_turbo.grpo import loss_step
+
+    groups_seen = []
+    real = loss_step.grouped_compute_loss
+
+    def recording(self, model, inputs, groups):
+        groups_seen.append([(g.start, g.stop) for g in groups])
+        return real(self, model, inputs, groups)
+
+    monkeypatch.setattr(loss_step, "grouped_compute_loss", recording)
+    cli.main(["train", "--shape", "tiny", "--micro-batch", "4", "--lengths", "8", "--prompt-len", "4",
+              "--forward-token-budget", "24", "--steps", "1", "--warmup", "0", "--out", str(tmp_path),
+              "--device", "cpu"])
+    data = _load_single(tmp_path, "train")
+    assert data["config"]["forward_token_budget"] == 24
+    assert all(row["ok"] for row in data["rows"]), data["rows"]
+    assert groups_seen == [[(0, 2), (2, 4)]]  # turbo only: 4 sequences of 12 tokens in groups of 2; stock unsplit
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--shape", "tiny", "--forward-token-budget", "0", "--out", str(tmp_path)])
+
+
+@needs_turbo
 def test_train_oom_skips_longer_lengths(tmp_path, monkeypatch):
     real_measure = train.measure
 

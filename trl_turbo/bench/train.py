@@ -50,6 +50,15 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
 VARIANTS = tuple(VARIANT_CONFIG)
 
 
+def variant_config(variant: str, forward_token_budget: int | None = None) -> dict[str, Any]:
+    """The GRPOConfig fields `variant` adds; a `forward_token_budget` splits the turbo variants' micro-batches into
+    sequence groups of at most that many tokens (stock has no such field)."""
+    config = dict(VARIANT_CONFIG[variant])
+    if forward_token_budget is not None and variant != "stock":
+        config["turbo_forward_token_budget"] = forward_token_budget
+    return config
+
+
 def build_model(shape: str, device: torch.device, lora_r: int = 16, quantization: str = "none") -> torch.nn.Module:
     """Random-init bf16 model of ``shape`` built on ``device`` (with a quantization: saved, then reloaded through
     bitsandbytes, as a user loads a checkpoint), wrapped in LoRA, in train mode with checkpointing."""
@@ -244,7 +253,7 @@ def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: 
     }
     try:
         trainer = build_trainer(model, args.micro_batch, completion_len, device, output_dir, args.tis,
-                                VARIANT_CONFIG[variant])
+                                variant_config(variant, args.forward_token_budget))
         inputs = synthetic_inputs(args.micro_batch, args.prompt_len, completion_len, SHAPES[args.shape]["vocab_size"],
                                   device, args.tis)
         row["old_logps_pass"] = args.tis and (variant == "stock" or turbo_needs_old_logps_pass(trainer))
@@ -283,6 +292,7 @@ def run(args: argparse.Namespace) -> Path:
         "lengths": lengths,
         "variants": variants,
         "tis": args.tis,
+        "forward_token_budget": args.forward_token_budget,
         "steps": args.steps,
         "warmup": args.warmup,
         "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"},
@@ -331,6 +341,13 @@ def _format_row(row: dict[str, Any]) -> str:
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="GRPO micro-step (compute_loss + backward) of a real model shape")
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
@@ -341,6 +358,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tis", action="store_true", help="simulate vLLM importance-sampling correction")
     parser.add_argument("--quantization", default="none", choices=sorted(QUANTIZATIONS),
                         help="nf4: QLoRA (bitsandbytes 4-bit NF4, double quantization, bf16 compute)")
+    parser.add_argument("--forward-token-budget", type=_positive_int, default=None,
+                        help="turbo variants: sequence groups of at most this many tokens (turbo_forward_token_budget)")
     parser.add_argument("--steps", type=int, default=1, help="timed micro-steps after the warm-up (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (0 for longest-length probes)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

@@ -114,6 +114,16 @@ def test_invalid_numbers_are_rejected(tmp_path):
         with pytest.raises(ValueError, match="turbo_offload_host_budget_gib"):
             make(tmp_path, turbo_offload_host_budget_gib=budget)
     assert make(tmp_path, turbo_offload_host_budget_gib=0.0).turbo_offload_host_budget_gib == 0.0
+    for budget in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="turbo_training_memory_gib"):
+            make(tmp_path, turbo_training_memory_gib=budget)
+    assert make(tmp_path, turbo_training_memory_gib=48.0).turbo_training_memory_gib == 48.0
+
+
+def test_training_memory_budget_needs_the_automatic_plan(tmp_path):
+    for plan in ("min", "off"):
+        with pytest.raises(ValueError, match="turbo_memory_plan='auto'"):
+            make(tmp_path, turbo_memory_plan=plan, turbo_training_memory_gib=48.0)
 
 
 def test_subclasses_existing_at_import_accept_the_fields(tmp_path):

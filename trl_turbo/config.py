@@ -113,12 +113,22 @@ class TurboFields:
             "layers as fit keep their activations (no recompute), then checkpoint their input on the device, the "
             "rest offload it to host memory (turbo_offload_checkpoints). When a forward cannot keep every layer, "
             "later micro-batches are split into sequence groups small enough to keep them all (within "
-            "turbo_forward_token_budget, at least one sequence and 8192 tokens). A peak above the prediction "
+            "turbo_forward_token_budget, at least one sequence and 4096 tokens). A peak above the prediction "
             "re-plans later micro-batches with more reserve. The plan is printed once and logged as memory_plan/* "
             "metrics. 'min': the most frugal plan (every layer "
             "checkpointed and, on a CUDA device, offloaded). 'off': stock behaviour (transformers' checkpointing, no "
             "tiled MLP, lean norms or sequence groups). Decoder layers of " + listed(MODEL_TYPES) + "; other layers "
             "keep transformers' checkpointing. Gradients equal plain checkpointing's up to float reassociation."
+        },
+    )
+    turbo_training_memory_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "turbo_memory_plan='auto': the device memory in use (GiB, the device's whole count) that the "
+            "training phase may grow to. None (default): with turbo_vllm_standby, what the last generation used, so "
+            "the step's peak does not rise; without it, the whole device. A larger value buys speed with memory: "
+            "more layers keep their activations, or micro-batches are trained in sequence groups that keep them "
+            "all, so fewer layers are recomputed. Capped by the device (and by a per-process memory fraction)."
         },
     )
     turbo_offload_checkpoints: bool = field(
@@ -297,6 +307,15 @@ def validate(args: Any, installed: bool = True) -> None:
         )
     if args.turbo_memory_plan not in MEMORY_PLANS:
         raise ValueError(f"`turbo_memory_plan={args.turbo_memory_plan!r}` is not one of {', '.join(MEMORY_PLANS)}.")
+    training_memory = args.turbo_training_memory_gib
+    if training_memory is not None:
+        if not (math.isfinite(training_memory) and training_memory > 0):
+            raise ValueError(f"`turbo_training_memory_gib` must be a finite number of GiB > 0 or None, got "
+                             f"{training_memory}.")
+        if args.turbo_memory_plan != "auto":
+            raise ValueError(f"`turbo_training_memory_gib` sizes the automatic memory plan; with "
+                             f"`turbo_memory_plan={args.turbo_memory_plan!r}` nothing reads it. Set "
+                             "`turbo_memory_plan='auto'` or remove `turbo_training_memory_gib`.")
     budget = args.turbo_offload_host_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")

@@ -365,3 +365,14 @@ def test_cpu_step_child_runs_its_variant(variant):
     child = cpu_step.run_child(variant, "tiny-llama", vocab=64, steps=0, completion_len=4)
     assert child["patched"] is (variant == "turbo")
     assert child["steps_run"] == 1 and child["step_s_all"] == [] and child["step_s"] is None
+
+
+def test_e2e_turbo_set_overrides_the_turbo_variants_only():
+    overrides = e2e.parse_overrides(["turbo_training_memory_gib=48", "turbo_vllm_kv_cache_dtype=fp8"])
+    assert overrides == {"turbo_training_memory_gib": 48, "turbo_vllm_kv_cache_dtype": "fp8"}
+    assert e2e.variant_config("stock", overrides) == e2e.VARIANT_CONFIG["stock"]
+    turbo = e2e.variant_config("turbo-min", overrides)
+    assert turbo == {**e2e.VARIANT_CONFIG["turbo-min"], **overrides}
+    for bad in ("learning_rate=1", "turbo_training_memory_gib", "nonsense=2"):
+        with pytest.raises(SystemExit, match="--turbo-set"):
+            e2e.parse_overrides([bad])

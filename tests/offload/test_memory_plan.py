@@ -20,6 +20,9 @@ from trl_turbo.testing.tokenizer import VOCAB
 
 from helpers import checkpointed_grads, decoder_model, token_batch
 
+# A faked device's capacity whose margin is the 1 GiB floor (3% of it is less)
+FAKE_CAPACITY = 32 << 30
+
 MIB = 2**20
 
 
@@ -92,7 +95,7 @@ def _grads(model, ids):
 def _planned(free_bytes, offload=True, layers=6):
     model = _model(layers)
     planner = memory_planner(model, can_offload=offload)
-    planner.budget = lambda device: (free_bytes, 0, 0)  # a faked device: free, allocated, capacity
+    planner.budget = lambda device: (free_bytes, 0, FAKE_CAPACITY)  # a faked device: free, allocated, capacity
     runtime = CheckpointingRuntime(CheckpointOffloader(1 << 30) if offload else None, planner)
     install_runtime(model, runtime)
     return model, planner
@@ -207,11 +210,11 @@ def test_a_forward_that_cannot_keep_every_layer_sizes_groups_that_can():
     per_token_head = HEAD_HIDDEN_STATES * (measured.input_bytes // 4) * 4 / tokens
     # room (after the margin floor) for every layer at half the forward's tokens
     spendable = int((per_token_layers + per_token_head) * tokens / 2)
-    planner.budget = lambda device: ((1 << 30) + spendable, 0, 0)
+    planner.budget = lambda device: ((1 << 30) + spendable, 0, FAKE_CAPACITY)
     _grads(model, token_batch())
     assert planner.take_step_plans()[0].kept < 5
     assert abs(planner.group_tokens() - tokens // 2) <= 1
-    planner.budget = lambda device: (1 << 40, 0, 0)
+    planner.budget = lambda device: (1 << 40, 0, FAKE_CAPACITY)
     _grads(model, token_batch())  # a forward that keeps everything leaves the group size alone
     assert abs(planner.group_tokens() - tokens // 2) <= 1
 
@@ -291,7 +294,7 @@ def test_gpu_prediction_holds_and_a_wrong_one_replans(monkeypatch):
     # measurement that under-counts 4x: too many layers kept
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    margin = max(int(memory_plan.MARGIN_FRACTION * total), memory_plan.MARGIN_FLOOR_BYTES)
+    margin = memory_plan.reserve_margin(total)
     room = margin + 6 * honest.layer_bytes + memory_plan.HEAD_HIDDEN_STATES * 4 * honest.input_bytes // 2
     planner.ceiling = lambda: (total - free) + room
     real_counting = memory_plan.counting_saved_bytes
@@ -311,3 +314,13 @@ def test_gpu_prediction_holds_and_a_wrong_one_replans(monkeypatch):
     replanned, replanned_peak = step()
     assert replanned.kept_layers < wrong.kept_layers  # the widened reserve keeps fewer layers
     assert replanned_peak < wrong_peak
+
+
+def test_the_margin_is_a_share_of_large_devices_and_at_most_a_tenth_of_small_ones():
+    gib = 2**30
+    from trl_turbo.offload import memory_plan
+
+    assert memory_plan.reserve_margin(141 * gib) == int(0.03 * 141 * gib)
+    assert memory_plan.reserve_margin(24 * gib) == 1 * gib  # the floor
+    assert memory_plan.reserve_margin(int(4.4 * gib)) == int(0.44 * gib)  # a 5 GiB cap: a tenth, not a quarter
+    assert memory_plan.reserve_margin(24 * gib, extra_reserve_bytes=gib) == 2 * gib

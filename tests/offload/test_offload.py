@@ -314,6 +314,14 @@ def test_trainer_installs_runtime_and_tiles(tmp_path):
     assert all(isinstance(layer.mlp.forward, TiledMLPForward) for layer in base.model.layers)
 
 
+def test_training_memory_budget_is_the_plans_ceiling(tmp_path):
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
+                                                             turbo_training_memory_gib=7.5), peft=True)
+    assert trainer._trl_turbo_checkpointing.planner.ceiling() == int(7.5 * 2**30)
+    default = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True), peft=True)
+    assert default._trl_turbo_checkpointing.planner.ceiling is None  # no vLLM engine: the whole device
+
+
 def test_trainer_switches_off_install_nothing(tmp_path):
     trainer = parity.build_trainer(parity.base_config_kwargs(
         str(tmp_path), gradient_checkpointing=True, turbo_memory_plan="min", turbo_offload_checkpoints=False,

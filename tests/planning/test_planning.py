@@ -20,7 +20,7 @@ from trl_turbo.planning.training import MicroBatch, forecast_training
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 EXAMPLE = ROOT / "examples" / "grpo_llama8b.yaml"
-# Rows measured with the memory plan as it is now (8192-token group floor, standby ceiling: 2026-11-25 01:00 on);
+# Rows measured with the memory plan as it is now (standby ceiling: 2026-11-25 01:00 on);
 # earlier rows measured other plans.
 CURRENT_FROM = "2026-11-25T01:00"
 CAPACITY = {"NVIDIA H200": 143771 * 2**20, "NVIDIA H100 80GB HBM3": 81559 * 2**20}
@@ -49,7 +49,8 @@ def test_training_peaks_match_every_current_bench_train_row():
             forecast = forecast_training(
                 spec, MicroBatch(row["micro_batch"], row["prompt_len"] + row["completion_len"]),
                 mode=MODES[row["variant"]], capacity_bytes=CAPACITY[result["gpu"]],
-                static_bytes=spec.weight_bytes(quantized) + 4 * spec.lora_parameters, quantized_4bit=quantized)
+                static_bytes=spec.weight_bytes(quantized) + 4 * spec.lora_parameters, quantized_4bit=quantized,
+                forward_token_budget=result["config"].get("forward_token_budget") or 32768)
             error = forecast.peak_bytes / 2**30 / row["peak_gib"] - 1
             checked += 1
             if abs(error) > TOLERANCE:
@@ -94,6 +95,23 @@ def test_auto_picks_another_plan_on_a_smaller_gpu():
     assert (big.groups, big.plan.kept_layers) == (1, 32)  # the H200 keeps every layer in one forward
     assert small.groups > 1 or small.plan.kept_layers < 32
     assert small.peak_bytes < CAPACITY["NVIDIA H100 80GB HBM3"] < big.peak_bytes
+
+
+def test_a_training_memory_budget_above_the_generation_peak_keeps_more_activations():
+    """Realistic preset, H200, shared weights + standby: by default training stays under the generation phase's
+    peak; a larger `turbo_training_memory_gib` lets the plan train in groups that keep every layer, up to it."""
+    spec = model_spec(load_config("llama-3.1-8b"), 16)
+    fields = dict(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=16, steps_per_generation=4,
+                  max_completion_length=2048, vllm_max_model_length=2112, turbo_vllm_shared_weights=True,
+                  turbo_vllm_standby=True)
+    capacity = CAPACITY["NVIDIA H200"]
+    default = forecast_run(types.SimpleNamespace(**fields), spec, capacity_bytes=capacity, prompt_tokens=64)
+    budgeted = forecast_run(types.SimpleNamespace(**fields, turbo_training_memory_gib=48.0), spec,
+                            capacity_bytes=capacity, prompt_tokens=64)
+    generation = next(p for p in default.phases if p.name == "generation").device_bytes
+    assert default.training.peak_bytes <= generation and default.training.plan.kept_layers < 32
+    assert budgeted.training.groups > 1 and budgeted.training.plan.kept_layers == 32
+    assert generation < budgeted.training.peak_bytes <= 48 * 2**30
 
 
 def test_cli_prints_the_phases_of_the_shipped_config(capsys):

@@ -20,6 +20,7 @@ completion tokens per second over all GPUs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -268,7 +269,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                               if QUANTIZATIONS[spec["quantization"]] else {})},
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
-        **VARIANT_CONFIG[variant],
+        **spec["variant_config"][variant],
     )
     tokenizer = load_tokenizer(spec["checkpoint"])
     dataset = Dataset.from_dict({"prompt": prompts(spec["steps"] * processes * spec["prompts"], spec["prompt_len"],
@@ -451,6 +452,7 @@ def run(args: argparse.Namespace) -> Path:
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     workload = resolve_workload(args)
+    overrides = parse_overrides(args.turbo_set)
     quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}{quantized}")
     start = time.perf_counter()
@@ -465,7 +467,7 @@ def run(args: argparse.Namespace) -> Path:
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
               "launches": launches, "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes
                                                              for launch in launches},
-              "variant_config": {v: VARIANT_CONFIG[v] for v in variants},
+              "variant_config": {v: variant_config(v, overrides) for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
                                 "generation_kwargs": {"ignore_eos": True},
                                 "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
@@ -490,6 +492,29 @@ def run(args: argparse.Namespace) -> Path:
     print(json.dumps(meta["scaling"], indent=1))
     print(f"wrote {path} (+ .png)")
     return path
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--turbo-set FIELD=VALUE` items as GRPOConfig fields (VALUE read as JSON where it parses, else a string);
+    SystemExit for a field trl_turbo does not add."""
+    from ..config import TurboFields
+
+    known = {f.name for f in dataclasses.fields(TurboFields)}
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in known:
+            raise SystemExit(f"--turbo-set takes FIELD=VALUE with a trl_turbo field, got {item!r}")
+        try:
+            overrides[name] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[name] = text
+    return overrides
+
+
+def variant_config(variant: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """What `variant` adds to the common GRPOConfig; the turbo variants also take the `--turbo-set` overrides."""
+    return dict(VARIANT_CONFIG[variant]) if variant == "stock" else {**VARIANT_CONFIG[variant], **overrides}
 
 
 def resolve_workload(args: argparse.Namespace) -> dict[str, int]:
@@ -616,6 +641,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu-gib", type=float, default=None,
                         help="cap each variant's process at this much device memory (a smaller GPU): torch's "
                              "per-process fraction, less the CUDA context the driver holds; one GPU only")
+    parser.add_argument("--turbo-set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a trl_turbo GRPOConfig field for the turbo variants (repeatable; VALUE as JSON)")
     parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

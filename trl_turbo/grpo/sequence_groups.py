@@ -54,10 +54,11 @@ def group_count(sequences: int, length: int, budget: int) -> int:
     return min(sequences, -(-sequences // max(1, budget // length)))
 
 
-# Groups the memory plan asks for are at least this many tokens. Measured (H200, Llama-3.1-8B shape, e2e realistic
-# preset): one-sequence groups of 2.3K tokens keeping every layer trained no faster than groups of 18K tokens that
-# recompute (17.8 s vs 17.6 s a step), so per-group costs eat the recompute saved below a few sequences' worth.
-MIN_PLANNED_GROUP_TOKENS = 8192
+# Groups the memory plan asks for are at least this many tokens. Measured (H200, Llama-3.1-8B shape, 16 x 2112
+# tokens, every layer kept in each group; file train-llama-3.1-8b-20261125-132705 and the three after it): groups of
+# 4224 tokens train in 3.38 s and 8448 in 3.15 s against 4.40 s for the whole micro-batch recomputing every layer,
+# but groups of 2112 tokens take 4.57 s: below about 4K tokens, per-group costs eat the recompute saved.
+MIN_PLANNED_GROUP_TOKENS = 4096
 
 
 def planned_group_tokens(trainer: Any, length: int) -> int | None:

@@ -66,7 +66,10 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
         offloader = CheckpointOffloader(offload_budget_bytes(args.turbo_offload_host_budget_gib))
     planner = memory_planner(model, can_offload=offloader is not None) if plan == "auto" else None
     generation = getattr(trainer, "vllm_generation", None)
-    if planner is not None and generation is not None:
+    training_memory = getattr(args, "turbo_training_memory_gib", None)
+    if planner is not None and training_memory is not None:
+        planner.ceiling = lambda: int(training_memory * 2**30)  # the user's budget for the training phase
+    elif planner is not None and generation is not None:
         # A colocated engine in standby: training grows back at most to what the last generation used
         generation_ref = weakref.ref(generation)
         planner.ceiling = lambda: generation_footprint(generation_ref())  # None once the engine is gone

@@ -140,7 +140,11 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
             host_engine = engine_weights  # level-1 sleep: weights to host, KV cache dropped
         else:
             engine_training = engine
-    ceiling = phases[-1].device_bytes if (standby and phases) else None
+    training_memory = _field(args, "turbo_training_memory_gib", None)
+    if training_memory is not None:
+        ceiling = int(training_memory * 2**30)
+    else:
+        ceiling = phases[-1].device_bytes if (standby and phases) else None
     training = forecast_training(
         spec, batch, mode=plan, capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
         quantized_4bit=quantized_4bit,

@@ -517,3 +517,37 @@ def test_liger_layers_install_under_tiles_and_undo():
             assert "forward" not in layer.mlp.__dict__ and "forward" not in layer.input_layernorm.__dict__
     finally:
         trl_turbo.patch()
+
+
+def test_tiles_shrink_to_what_the_device_has_free():
+    from trl_turbo.offload.tiled_mlp import MIN_TILE_TOKENS, fitting_tile_tokens
+
+    per_token = 8 * 8960 * 2  # Qwen2.5-1.5B's MLP working set per token, bf16
+    assert fitting_tile_tokens(16384, 8704, per_token, 100 << 30) == 16384  # a large GPU: untouched
+    assert fitting_tile_tokens(16384, 8704, per_token, None) == 16384  # no device to ask
+    assert fitting_tile_tokens(16384, 8704, per_token, int(0.6 * 2**30)) == 2048  # the 5 GiB run's room
+    assert fitting_tile_tokens(16384, 8704, per_token, 0) == MIN_TILE_TOKENS
+    assert fitting_tile_tokens(128, 8704, per_token, 0) == 128  # never above what the user set
+
+
+def test_a_short_device_tiles_the_mlp_finer_with_the_same_gradients():
+    ids = token_batch(batch=2, length=400)  # 800 tokens, untiled at the configured 10,000
+    stock_loss, stock = checkpointed_grads(decoder_model(), ids, checkpointing=True)
+    model = decoder_model()
+    install_tiled_mlp(model, 10_000)
+    tiles = []
+    for layer in model.model.layers:
+        forward = layer.mlp.forward
+        forward.free_bytes = lambda device: 2 * 300 * 8 * forward.intermediate_size * 4  # room for ~300 tokens
+        real = forward.original
+
+        def counting(x, real=real):
+            tiles.append(x.numel() // x.shape[-1])
+            return real(x)
+
+        forward.original = counting
+    turbo_loss, turbo = checkpointed_grads(model, ids, runtime=CheckpointingRuntime(None), checkpointing=True)
+    assert tiles and max(tiles) == 256  # a power of two within the room, never the whole 800 tokens
+    torch.testing.assert_close(turbo_loss, stock_loss, rtol=1e-6, atol=1e-7)
+    for name in stock:
+        torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -76,12 +76,15 @@ def test_run_peaks_and_kv_cache_match_the_current_e2e_rows():
                                     quantized_4bit=config["quantization"] == "nf4",
                                     prompt_tokens=config["prompt_len"], stock=row["variant"] == "stock")
             kv = forecast.phases[0].parts["KV cache"] / 2**30
-            assert kv == pytest.approx(row["vllm_pool_kv_cache_gib"], rel=0.05), (row["variant"], kv)
+            # vLLM's sleep-mode pool maps each layer's cache in 2 MiB granules: up to one more per layer
+            granules = spec.layers * 2 / 1024
+            assert kv == pytest.approx(row["vllm_pool_kv_cache_gib"], rel=0.05, abs=granules), (row["variant"], kv)
             peak = forecast.peak_bytes / 2**30
+            measured = row["peak_gib"] - row.get("others_gib", 0.0)  # the child's own (capped rows record the rest)
             if row["variant"] == "turbo-fp8":  # an upper bound: the parked base weights are not counted on
-                assert peak >= row["peak_gib"], (peak, row["peak_gib"])
+                assert peak >= measured, (peak, measured)
             else:
-                assert peak == pytest.approx(row["peak_gib"], rel=TOLERANCE), (row["variant"], peak)
+                assert peak == pytest.approx(measured, rel=TOLERANCE), (row["variant"], peak, measured)
             checked += 1
     assert checked >= 6, checked
 

@@ -19,6 +19,12 @@ checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) c
 In a layer whose activations the memory plan keeps (`memory_plan.in_kept_layer`) the MLP runs untiled: there is no
 recompute whose working set tiling would bound.
 
+The tile is `turbo_tiled_mlp_tokens` unless the device is short of it: where half the memory a plan could still
+take (`device_memory.device_budget`) would not hold a tile's working set (about `MLP_WORKING_TENSORS`
+intermediate-size tensors per token: the gate, up, activation and product, and their gradients in the backward pass),
+the tile shrinks to a power of two that fits, down to `MIN_TILE_TOKENS`. On a large GPU nothing changes; on a 5 GiB
+one the untiled MLP of 8 x 1088 tokens (1.2 GiB for Qwen2.5-1.5B) is what did not fit.
+
 An MLP with active dropout modules (LoRA's `lora_dropout` > 0 in training) runs untiled: a tile recomputed in the
 backward pass would draw other dropout masks than its forward did.
 """
@@ -29,8 +35,34 @@ from collections.abc import Callable
 
 import torch
 
+from ..device_memory import device_budget
 from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing, restored_autocast
 from .memory_plan import in_kept_layer
+
+MLP_WORKING_TENSORS = 8
+MIN_TILE_TOKENS = 256
+# The share of the free memory one tile's working set may take (the rest: the layer's attention part, the margin)
+TILE_FREE_SHARE = 0.5
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """What a plan could still take on `device` (None where there is no CUDA device to ask)."""
+    return device_budget(device)[0] if device.type == "cuda" else None
+
+
+def fitting_tile_tokens(tile_tokens: int, tokens: int, per_token_bytes: int, free_bytes: int | None) -> int:
+    """`tile_tokens`, or where `min(tokens, tile_tokens)` tokens' working set (`per_token_bytes` each) would take more
+    than `TILE_FREE_SHARE` of `free_bytes`: the largest power of two that fits, at least `MIN_TILE_TOKENS` and never
+    more than `tile_tokens`."""
+    if free_bytes is None or per_token_bytes <= 0:
+        return tile_tokens
+    fitting = int(TILE_FREE_SHARE * max(free_bytes, 0)) // per_token_bytes
+    if fitting >= min(tokens, tile_tokens):
+        return tile_tokens
+    tile = MIN_TILE_TOKENS
+    while tile * 2 <= fitting:
+        tile *= 2
+    return min(tile, tile_tokens)
 
 
 def tile_spans(tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
@@ -90,13 +122,18 @@ class _TiledMLP(torch.autograd.Function):
 
 
 class TiledMLPForward:
-    """Replaces one MLP module's `forward`; small inputs and no-grad calls go to the original forward."""
+    """Replaces one MLP module's `forward`; small inputs go to the original forward, and no-grad calls too unless the
+    device is short of memory (then in tiles, without autograd)."""
 
-    def __init__(self, module: torch.nn.Module, tile_tokens: int, output_feeds_residual: bool) -> None:
+    def __init__(self, module: torch.nn.Module, tile_tokens: int, output_feeds_residual: bool,
+                 free_bytes: Callable[[torch.device], int | None] = free_device_bytes) -> None:
         self.module = module
         self.original = module.forward
         self.tile_tokens = tile_tokens
         self.output_feeds_residual = output_feeds_residual
+        self.free_bytes = free_bytes
+        gate = getattr(module, "gate_proj", None) or getattr(module, "up_proj", None)
+        self.intermediate_size = getattr(gate, "out_features", 0)
         # bitsandbytes sends a no-grad call with few rows to a fused 4-bit GEMM (on CUDA below a per-architecture row
         # count) and a grad call to dequantise + matmul; they round differently, so tiles of a quantized MLP take
         # the grad path, as the untiled MLP in a training forward does (see `_TiledMLP.forward`).
@@ -107,12 +144,22 @@ class TiledMLPForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
-        if (not torch.is_grad_enabled() or tokens <= self.tile_tokens or self._dropout_active()
-                or in_kept_layer()):  # a layer the memory plan keeps whole: tiles would only add recompute
+        if self._dropout_active() or in_kept_layer():
+            return self.original(x)  # a layer the memory plan keeps whole: tiles would only add recompute
+        grad = torch.is_grad_enabled()
+        tile_tokens = self.tile_tokens if grad else tokens  # without autograd only a short device needs tiles
+        if tokens > MIN_TILE_TOKENS:
+            per_token = MLP_WORKING_TENSORS * self.intermediate_size * x.element_size()
+            tile_tokens = fitting_tile_tokens(tile_tokens, tokens, per_token, self.free_bytes(x.device))
+        if tokens <= tile_tokens:
             return self.original(x)
+        if not grad:  # e.g. a checkpointed layer's first forward: the MLP's intermediates for one tile at a time
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.cat([self.original(flat[start:end]) for start, end in tile_spans(tokens, tile_tokens)])
+            return out.view(*x.shape[:-1], out.shape[-1])
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return _TiledMLP.apply(self.original, self.tile_tokens, output_unused, self.grad_path,
+        return _TiledMLP.apply(self.original, tile_tokens, output_unused, self.grad_path,
                                _force_grad_leaf(x.device), x, *params)
 
     def _dropout_active(self) -> bool:

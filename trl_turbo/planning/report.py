@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..offload.memory_plan import describe_plan
+from .training import CONTEXT_BYTES
 
 _GIB = 2**30
 
@@ -31,7 +32,8 @@ def render(plan: Any) -> str:
         other = stock_phases.get(phase.name)
         lines.append(f"{phase.name:<12}{_gib(phase.device_bytes):>18}{_gib(phase.host_bytes):>9}"
                      f"{_gib(other.device_bytes) if other else '':>20}{_gib(other.host_bytes) if other else '':>9}")
-    lines.append(f"{'peak':<12}{_gib(turbo.peak_bytes):>18}{'':>9}{_gib(stock.peak_bytes):>20}")
+    lines.append(f"{'peak + ctx':<12}{_gib(turbo.peak_bytes):>18}{'':>9}{_gib(stock.peak_bytes):>20}"
+                 f"   (largest phase + {CONTEXT_BYTES / _GIB:.1f} GiB of CUDA context)")
     lines.append(f"{'fits':<12}{_verdict(turbo):>18}{'':>9}{_verdict(stock):>20}")
     training = turbo.training
     lines.append("")

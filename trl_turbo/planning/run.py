@@ -55,7 +55,8 @@ class RunForecast:
 
     @property
     def peak_bytes(self) -> int:
-        return max(phase.device_bytes for phase in self.phases)
+        """The process's peak as the driver counts it: the largest phase plus the CUDA context."""
+        return max(phase.device_bytes for phase in self.phases) + CONTEXT_BYTES
 
     @property
     def fits(self) -> bool:

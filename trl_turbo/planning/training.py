@@ -28,6 +28,7 @@ from ..offload.memory_plan import (
     plan_forward,
     reserve_margin,
 )
+from ..offload.tiled_mlp import MLP_WORKING_TENSORS, fitting_tile_tokens
 from .model_spec import ModelSpec
 
 NORM_STATES = 2.25
@@ -93,7 +94,11 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     rows, groups = token_groups(batch, forward_token_budget)
     tokens = rows * batch.sequence_tokens
-    recompute = int(2 * (attention * tokens + mlp * min(tokens, tiled_mlp_tokens)) * unit)
+    # the tile the MLP runs at (`offload.tiled_mlp`: finer where the device is short of memory)
+    room = capacity_bytes - CONTEXT_BYTES - static_bytes - adapter_grads - reserve_margin(capacity_bytes)
+    tile = fitting_tile_tokens(tiled_mlp_tokens, tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES,
+                               room)
+    recompute = int(2 * (attention * tokens + mlp * min(tokens, tile)) * unit)
     input_bytes = tokens * unit
     if mode == "min":
         peak = static_bytes + adapter_grads + 2 * input_bytes + recompute

@@ -124,6 +124,8 @@ def test_training_memory_budget_needs_the_automatic_plan(tmp_path):
     for plan in ("min", "off"):
         with pytest.raises(ValueError, match="turbo_memory_plan='auto'"):
             make(tmp_path, turbo_memory_plan=plan, turbo_training_memory_gib=48.0)
+    with pytest.raises(ValueError, match="gradient_checkpointing=False"):
+        make(tmp_path, gradient_checkpointing=False, turbo_training_memory_gib=48.0)
 
 
 def test_subclasses_existing_at_import_accept_the_fields(tmp_path):

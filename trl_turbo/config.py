@@ -124,11 +124,12 @@ class TurboFields:
     turbo_training_memory_gib: float | None = field(
         default=None,
         metadata={
-            "help": "turbo_memory_plan='auto': the device memory in use (GiB, the device's whole count) that the "
-            "training phase may grow to. None (default): with turbo_vllm_standby, what the last generation used, so "
-            "the step's peak does not rise; without it, the whole device. A larger value buys speed with memory: "
-            "more layers keep their activations, or micro-batches are trained in sequence groups that keep them "
-            "all, so fewer layers are recomputed. Capped by the device (and by a per-process memory fraction)."
+            "help": "turbo_memory_plan='auto' with gradient_checkpointing: the device memory in use (GiB, the "
+            "device's whole count) up to which the plan lets decoder layers keep their activations, less its margin. "
+            "None (default): with turbo_vllm_standby, what the last generation used, so the step's peak does not "
+            "rise; without it, the whole device. A value replaces that ceiling: a larger one buys speed with memory "
+            "(more layers keep their activations, or micro-batches are trained in sequence groups that keep them "
+            "all, so fewer layers are recomputed). Within the device and any per-process memory fraction."
         },
     )
     turbo_offload_checkpoints: bool = field(
@@ -312,10 +313,12 @@ def validate(args: Any, installed: bool = True) -> None:
         if not (math.isfinite(training_memory) and training_memory > 0):
             raise ValueError(f"`turbo_training_memory_gib` must be a finite number of GiB > 0 or None, got "
                              f"{training_memory}.")
-        if args.turbo_memory_plan != "auto":
-            raise ValueError(f"`turbo_training_memory_gib` sizes the automatic memory plan; with "
-                             f"`turbo_memory_plan={args.turbo_memory_plan!r}` nothing reads it. Set "
-                             "`turbo_memory_plan='auto'` or remove `turbo_training_memory_gib`.")
+        if args.turbo_memory_plan != "auto" or not args.gradient_checkpointing:
+            setting = (f"`turbo_memory_plan={args.turbo_memory_plan!r}`" if args.turbo_memory_plan != "auto"
+                       else "`gradient_checkpointing=False`")
+            raise ValueError(f"`turbo_training_memory_gib` sizes the automatic memory plan; with {setting} nothing "
+                             "reads it. Set `turbo_memory_plan='auto'` with `gradient_checkpointing=True`, or remove "
+                             "`turbo_training_memory_gib`.")
     budget = args.turbo_offload_host_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")

@@ -376,3 +376,14 @@ def test_e2e_turbo_set_overrides_the_turbo_variants_only():
     for bad in ("learning_rate=1", "turbo_training_memory_gib", "nonsense=2"):
         with pytest.raises(SystemExit, match="--turbo-set"):
             e2e.parse_overrides([bad])
+
+
+def test_e2e_turbo_set_refuses_what_a_variant_sets_itself():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--shape", "tiny", "--variants", "stock,turbo-min",
+                              "--turbo-set", "turbo_memory_plan=auto"])
+    with pytest.raises(SystemExit, match="turbo-min"):
+        e2e.run(args)

@@ -538,7 +538,7 @@ def test_a_short_device_tiles_the_mlp_finer_with_the_same_gradients():
     tiles = []
     for layer in model.model.layers:
         forward = layer.mlp.forward
-        forward.free_bytes = lambda device: 2 * 300 * 8 * forward.intermediate_size * 4  # room for ~300 tokens
+        forward.free_bytes = lambda device, f=forward: 2 * 300 * 8 * f.intermediate_size * 4  # room for ~300 tokens
         real = forward.original
 
         def counting(x, real=real):

@@ -437,6 +437,11 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    overrides = parse_overrides(args.turbo_set)
+    for variant in variants:
+        clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
+        if clash and variant != "stock":
+            raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
     launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
     if args.gpu_gib is not None and launches != [SINGLE_GPU]:
         raise SystemExit("--gpu-gib caps a one-GPU run; leave --launches at 1gpu")
@@ -452,7 +457,6 @@ def run(args: argparse.Namespace) -> Path:
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     workload = resolve_workload(args)
-    overrides = parse_overrides(args.turbo_set)
     quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}{quantized}")
     start = time.perf_counter()

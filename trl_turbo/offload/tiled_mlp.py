@@ -144,7 +144,7 @@ class TiledMLPForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
-        if self._dropout_active() or in_kept_layer():
+        if self._dropout_active() or in_kept_layer() or torch.is_inference_mode_enabled():
             return self.original(x)  # a layer the memory plan keeps whole: tiles would only add recompute
         grad = torch.is_grad_enabled()
         tile_tokens = self.tile_tokens if grad else tokens  # without autograd only a short device needs tiles
@@ -155,7 +155,13 @@ class TiledMLPForward:
             return self.original(x)
         if not grad:  # e.g. a checkpointed layer's first forward: the MLP's intermediates for one tile at a time
             flat = x.reshape(-1, x.shape[-1])
-            out = torch.cat([self.original(flat[start:end]) for start, end in tile_spans(tokens, tile_tokens)])
+            spans = tile_spans(tokens, tile_tokens)
+            if self.grad_path:  # bitsandbytes: each tile through the kernel an untiled many-row call takes
+                with torch.enable_grad():
+                    out = torch.cat([self.original(flat[start:end].detach().requires_grad_()).detach()
+                                     for start, end in spans])
+            else:
+                out = torch.cat([self.original(flat[start:end]) for start, end in spans])
             return out.view(*x.shape[:-1], out.shape[-1])
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]

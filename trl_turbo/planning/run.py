@@ -145,13 +145,14 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     if training_memory is not None:
         ceiling = int(training_memory * 2**30)
     else:
-        ceiling = phases[-1].device_bytes if (standby and phases) else None
+        # the generation's footprint as the device counts it (the run reads it device-wide, its context included)
+        ceiling = phases[-1].device_bytes + CONTEXT_BYTES if (standby and phases) else None
     training = forecast_training(
         spec, batch, mode=plan, capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
         quantized_4bit=quantized_4bit,
         forward_token_budget=_field(args, "turbo_forward_token_budget", 32768) if plan != "off" else None,
         tiled_mlp_tokens=_field(args, "turbo_tiled_mlp_tokens", 16384) if _field(args, "turbo_tiled_mlp", True)
-        else batch.sequences * batch.sequence_tokens,
+        else None,
         gradient_checkpointing=bool(_field(args, "gradient_checkpointing", True)), ceiling_bytes=ceiling)
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,

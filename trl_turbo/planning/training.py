@@ -78,11 +78,11 @@ def token_groups(batch: MicroBatch, budget: int | None) -> tuple[int, int]:
 
 def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity_bytes: int, static_bytes: int,
                       quantized_4bit: bool = False, forward_token_budget: int | None = 32768,
-                      tiled_mlp_tokens: int = 16384, gradient_checkpointing: bool = True,
+                      tiled_mlp_tokens: int | None = 16384, gradient_checkpointing: bool = True,
                       ceiling_bytes: int | None = None) -> TrainingForecast:
     """The micro-step peak under `mode` ("off": stock TRL, "min", "auto") for a device of `capacity_bytes` holding
     `static_bytes` (weights and adapter) when training starts; `ceiling_bytes` caps "auto" (standby's generation
-    footprint)."""
+    footprint, or the user's `turbo_training_memory_gib`); `tiled_mlp_tokens` None: the MLP is not tiled."""
     unit = spec.hidden_size * ACTIVATION_BYTES  # one hidden-size tensor per token
     attention, mlp = layer_states(spec, quantized_4bit)
     adapter_grads = 4 * spec.lora_parameters
@@ -94,10 +94,10 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     rows, groups = token_groups(batch, forward_token_budget)
     tokens = rows * batch.sequence_tokens
-    # the tile the MLP runs at (`offload.tiled_mlp`: finer where the device is short of memory)
-    room = capacity_bytes - CONTEXT_BYTES - static_bytes - adapter_grads - reserve_margin(capacity_bytes)
-    tile = fitting_tile_tokens(tiled_mlp_tokens, tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES,
-                               room)
+    # the tile the MLP runs at (`offload.tiled_mlp`: finer where the device is short of memory; None: untiled)
+    room = capacity_bytes - CONTEXT_BYTES - static_bytes - adapter_grads
+    tile = tokens if tiled_mlp_tokens is None else fitting_tile_tokens(
+        tiled_mlp_tokens, tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES, room)
     recompute = int(2 * (attention * tokens + mlp * min(tokens, tile)) * unit)
     input_bytes = tokens * unit
     if mode == "min":

@@ -103,3 +103,26 @@ def test_qlora_gpu_bf16_errors_within_twice_stock(tmp_path, quantization):
         stock_error = (stock[name] - ref).abs().max().item()
         turbo_error = (turbo[name] - ref).abs().max().item()
         assert turbo_error <= 2 * stock_error + 1e-6 * scale, (name, turbo_error, stock_error, scale)
+
+
+def test_a_short_device_tiles_4bit_mlps_through_the_training_kernel_even_without_grad(tmp_path):
+    """A checkpointed layer's no-grad forward tiles a quantized MLP where memory is short; each tile then runs with
+    autograd recording, as the untiled MLP does in a training forward (bitsandbytes picks its kernel by that)."""
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), **FEATURES_ON), peft=True,
+                                   quantization=QUANTIZATIONS["nf4-double"])
+    forward = trainer.model.get_base_model().model.layers[0].mlp.forward
+    forward.free_bytes = lambda device: 2 * 300 * 8 * forward.intermediate_size * 4  # room for ~300 tokens
+    real, calls = forward.original, []
+
+    def recording(x):
+        calls.append((x.numel() // x.shape[-1], torch.is_grad_enabled()))
+        return real(x)
+
+    x = torch.randn(2, 400, trainer.model.config.hidden_size)
+    with torch.enable_grad():
+        expected = real(x.detach().requires_grad_()).detach()
+    forward.original = recording
+    with torch.no_grad():
+        out = forward(x)
+    assert calls == [(256, True), (256, True), (256, True), (32, True)]
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)

@@ -282,8 +282,8 @@ def test_e2e_gpu_cap_is_one_gpu_only_and_shows_in_rows_and_plot(tmp_path):
     args = parser.parse_args(["e2e", "--shape", "tiny", "--gpu-gib", "5", "--launches", "1gpu,multi_gpu"])
     with pytest.raises(SystemExit, match="one-GPU run"):
         e2e.run(args)
-    capped = {**_e2e_row("turbo", 20.0, 4.6), "cap_gib": 5.0}
-    assert "capped at 5 GiB" in e2e.format_row(capped)
+    capped = {**_e2e_row("turbo", 20.0, 4.6), "cap_gib": 5.0, "others_gib": 0.5}
+    assert "(capped at 5 GiB) own peak=  4.10 GiB " in e2e.format_row(capped)
     assert "capped at 5 GiB" in e2e.format_row({"variant": "stock", "ok": False, "error": "OOM", "cap_gib": 5.0})
     meta = results.metadata("e2e", torch.device("cpu"), {"shape": "qwen2.5-1.5b"})
     assert e2e.write_results(meta, [capped], tmp_path, "e2e-cap").with_suffix(".png").exists()

@@ -614,6 +614,8 @@ def format_row(row: dict[str, Any]) -> str:
     capped = f" (capped at {row['cap_gib']:g} GiB)" if row.get("cap_gib") else ""
     if not row.get("ok"):
         return f"{_label(row):>6}{capped} FAILED: {row.get('error')}"
+    if capped:  # the device's peak less what other processes held: the child's own, as the driver counts it
+        capped += f" own peak={fmt(row['peak_gib'] - row.get('others_gib', 0.0), '6.2f')} GiB "
     return (f"{_label(row):>6}{capped} init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  "
             f"step peak={fmt(row['peak_gib'], '6.2f')} GiB (generation "
             f"{fmt(row['generation_peak_gib'], '6.2f')}, training {fmt(row['train_peak_gib'], '6.2f')})  "

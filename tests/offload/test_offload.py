@@ -551,3 +551,18 @@ def test_a_short_device_tiles_the_mlp_finer_with_the_same_gradients():
     torch.testing.assert_close(turbo_loss, stock_loss, rtol=1e-6, atol=1e-7)
     for name in stock:
         torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_without_cuda_the_automatic_plan_says_once_that_it_keeps_everything(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from trl_turbo.patches import trl_checkpointing
+
+    monkeypatch.setattr(trl_checkpointing, "_said_without_cuda", [False])
+    with caplog.at_level(logging.INFO, logger="trl_turbo"):
+        for _ in range(2):
+            parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True), peft=True)
+    said = [r.getMessage() for r in caplog.records if "no CUDA device" in r.getMessage()]
+    assert len(said) == 1 and "keeps every layer's activations" in said[0]
+    monkeypatch.setattr(trl_checkpointing, "_said_without_cuda", [False])
+    assert trl_checkpointing.say_what_auto_means_without_cuda(object(), torch.device("cuda")) is None

@@ -8,6 +8,7 @@ statistics reach TRL's metrics through `trl_step_metrics`.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -28,6 +29,22 @@ from ..offload.install import (
     memory_planner,
 )
 
+_logger = logging.getLogger("trl_turbo")
+_said_without_cuda: list[bool] = [False]
+
+
+def say_what_auto_means_without_cuda(args: Any, device: torch.device) -> str | None:
+    """Once per process, at INFO level: on a device without CUDA the automatic plan has nothing to save memory for,
+    so it keeps every activation and offloads nothing. Returns the message
+    the first time (None after, or where it does not apply)."""
+    if device.type == "cuda" or memory_plan(args) != "auto" or not args.gradient_checkpointing or _said_without_cuda[0]:
+        return None
+    _said_without_cuda[0] = True
+    message = (f"trl_turbo: no CUDA device ({device.type}): turbo_memory_plan='auto' keeps every layer's activations "
+               "(no recompute, as without gradient_checkpointing) and offloads nothing; the loss and norm "
+               "features keep their settings.")
+    _logger.info(message)
+    return message
 
 
 def strategy_keeps_stock_checkpointing(args: Any) -> bool:
@@ -59,6 +76,7 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     if (plan == "off" or not args.gradient_checkpointing or not (plan == "auto" or offload or tiled)
             or strategy_keeps_stock_checkpointing(args)):
         return None
+    say_what_auto_means_without_cuda(args, trainer.accelerator.device)
     offloader = None
     # The accelerator's device, not the parameters': DeepSpeed and FSDP move the model there only when training
     # starts, after this runs.

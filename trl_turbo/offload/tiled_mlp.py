@@ -70,6 +70,21 @@ def tile_spans(tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + tile_tokens, tokens)) for start in range(0, tokens, tile_tokens)]
 
 
+def forward_tiles(mlp_forward: Callable, x: torch.Tensor, tile_tokens: int, grad_path: bool) -> torch.Tensor:
+    """The MLP's output for `x`, computed tile by tile without keeping a graph. `grad_path`: quantized layers that
+    pick another kernel without autograd run each tile as the untiled MLP runs in training (a graph for one tile at
+    a time, dropped at once), so the values are the same as without tiles."""
+    flat = x.reshape(-1, x.shape[-1])
+    spans = tile_spans(flat.shape[0], tile_tokens)
+    if grad_path:
+        with torch.enable_grad():
+            out = torch.cat([mlp_forward(flat[start:end].detach().requires_grad_()).detach() for start, end in spans])
+    else:
+        with torch.no_grad():
+            out = torch.cat([mlp_forward(flat[start:end]) for start, end in spans])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mlp_forward: Callable, tile_tokens: int, output_unused: bool, grad_path: bool,
@@ -80,18 +95,7 @@ class _TiledMLP(torch.autograd.Function):
         ctx.save_for_backward(x, *params)
         if output_unused:
             return torch.empty_like(x)
-        flat = x.reshape(-1, x.shape[-1])
-        spans = tile_spans(flat.shape[0], tile_tokens)
-        if grad_path:
-            # Quantized layers that pick another kernel without autograd: run each tile as the untiled MLP runs (a
-            # graph for one tile at a time, dropped at once), so the values are the same as without tiles.
-            with torch.enable_grad():
-                out = torch.cat([mlp_forward(flat[start:end].detach().requires_grad_()).detach()
-                                 for start, end in spans])
-        else:
-            with torch.no_grad():
-                out = torch.cat([mlp_forward(flat[start:end]) for start, end in spans])
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return forward_tiles(mlp_forward, x, tile_tokens, grad_path)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -154,15 +158,7 @@ class TiledMLPForward:
         if tokens <= tile_tokens:
             return self.original(x)
         if not grad:  # e.g. a checkpointed layer's first forward: the MLP's intermediates for one tile at a time
-            flat = x.reshape(-1, x.shape[-1])
-            spans = tile_spans(tokens, tile_tokens)
-            if self.grad_path:  # bitsandbytes: each tile through the kernel an untiled many-row call takes
-                with torch.enable_grad():
-                    out = torch.cat([self.original(flat[start:end].detach().requires_grad_()).detach()
-                                     for start, end in spans])
-            else:
-                out = torch.cat([self.original(flat[start:end]) for start, end in spans])
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return forward_tiles(self.original, x, tile_tokens, self.grad_path)
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]
         return _TiledMLP.apply(self.original, tile_tokens, output_unused, self.grad_path,

@@ -35,6 +35,12 @@ def _fraction(device: torch.device | str) -> float:
     return torch.cuda.get_per_process_memory_fraction(_index(device))
 
 
+def kept_free_bytes(total_bytes: int, fraction: float, floor_bytes: int, floor_max_fraction: float = 0.10) -> int:
+    """A margin a plan keeps free on a device of `total_bytes`: `fraction` of it, and at least `floor_bytes` or
+    `floor_max_fraction` of it, the smaller (a fixed floor would keep a large share of a small device back)."""
+    return max(int(fraction * total_bytes), min(floor_bytes, int(floor_max_fraction * total_bytes)))
+
+
 def device_budget(device: torch.device, ceiling_bytes: int | None = None) -> tuple[int, int, int]:
     """(free bytes a plan may count on, bytes torch has allocated, capacity) of a CUDA device: the driver's free
     memory plus torch's cached blocks that hold nothing, within torch's per-process memory fraction and, if given, a

@@ -38,15 +38,14 @@ from typing import Any
 
 import torch
 
-from ..device_memory import device_budget
+from ..device_memory import device_budget, kept_free_bytes
 
 _GIB = 2**30
 # What stays free whatever the plan: a share of the device, at least a floor (allocator fragmentation, cuBLAS/NCCL
-# workspaces, the optimizer's first-step states), but never more than a tenth of a small device (a 4 GiB fraction
-# would otherwise keep a quarter of itself back, more than its recompute needs).
+# workspaces, the optimizer's first-step states), the floor never more than a tenth of a small device (a 4 GiB
+# fraction would otherwise keep a quarter of itself back, more than its recompute needs).
 MARGIN_FRACTION = 0.03
 MARGIN_FLOOR_BYTES = 1 * _GIB
-MARGIN_FLOOR_MAX_FRACTION = 0.10
 # Before any measurement, a layer's saved activations are assumed to be this many times its input (Llama-3.1-8B
 # measures 21x: q/k/v, attention output, norms and the MLP's four intermediate-sized tensors). A first forward too
 # large for that runs the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).
@@ -117,8 +116,7 @@ def plan_layers(layers: int, layer_bytes: int, input_bytes: int, available_bytes
 
 def reserve_margin(total_bytes: int, extra_reserve_bytes: int = 0) -> int:
     """What stays free of a device of `total_bytes` whatever the plan (plus what re-plans added)."""
-    floor = min(MARGIN_FLOOR_BYTES, int(MARGIN_FLOOR_MAX_FRACTION * total_bytes))
-    return max(int(MARGIN_FRACTION * total_bytes), floor) + extra_reserve_bytes
+    return kept_free_bytes(total_bytes, MARGIN_FRACTION, MARGIN_FLOOR_BYTES) + extra_reserve_bytes
 
 
 def first_layer_fits(free_bytes: int, margin_bytes: int, head_bytes: int, estimate_bytes: int) -> bool:

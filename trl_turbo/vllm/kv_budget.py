@@ -13,13 +13,15 @@ still needs room for one sequence of its full `max_model_len` to start.
 
 from __future__ import annotations
 
+from ..device_memory import kept_free_bytes
+
 _GIB = 2**30
 # Adam keeps two fp32 moments per trainable parameter, plus the gradient and (with mixed precision) nothing else.
 _TRAINABLE_BYTES_PER_PARAM = 4 + 4 + 4
+# The margin: 5% of the device, at least 2 GiB, the floor at most a tenth of a small device (a 5 GiB run would
+# otherwise keep 40% of it)
 _MARGIN_FRACTION = 0.05
 _MIN_MARGIN_BYTES = 2 * _GIB
-# ...but never more than this share of a small device (a 5 GiB run would otherwise keep 40% of it as margin)
-_MAX_MARGIN_FLOOR_FRACTION = 0.10
 _MIN_KV_BYTES = 1 * _GIB
 # The scheduler's token budget per step that TRL's colocated engine is built with (`max_num_batched_tokens`)
 VLLM_BATCHED_TOKENS = 4096
@@ -47,8 +49,7 @@ def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes:
 
 def kv_margin_bytes(total_bytes: int) -> int:
     """Device memory the KV budget leaves free: 5% of the device, and at least 2 GiB or 10% of it, the smaller."""
-    floor = min(_MIN_MARGIN_BYTES, int(_MAX_MARGIN_FLOOR_FRACTION * total_bytes))
-    return max(floor, int(_MARGIN_FRACTION * total_bytes))
+    return kept_free_bytes(total_bytes, _MARGIN_FRACTION, _MIN_MARGIN_BYTES)
 
 
 def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

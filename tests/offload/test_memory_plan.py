@@ -198,39 +198,76 @@ def test_auto_plan_training_matches_stock(peft):
     parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
 
 
-def test_a_forward_that_cannot_keep_every_layer_sizes_groups_that_can():
-    from trl_turbo.offload.memory_plan import HEAD_HIDDEN_STATES
+def _layer_plans(layer_count, bytes_per_token, spendable_bytes):
+    """plan_for(tokens) of a planner with `spendable_bytes` and this measurement (no offloader, tiny inputs)."""
+    from trl_turbo.offload.memory_plan import plan_forward
 
+    def plan_for(tokens):
+        return plan_forward(layer_count, int(bytes_per_token * tokens), 0, 0, spendable_bytes, 0, 0, True, False,
+                            tokens)
+
+    return plan_for
+
+
+def test_the_fastest_group_size_is_one_forward_where_everything_fits():
+    from trl_turbo.offload.memory_plan import fastest_group_rows
+
+    plan_for = _layer_plans(32, 1000, 1 << 50)
+    assert fastest_group_rows(16, 2112, None, 32, plan_for) == 16
+    assert fastest_group_rows(16, 2112, 32768, 32, plan_for) == 15  # the forward token budget still caps groups
+
+
+def test_a_tight_budget_buys_smaller_groups_that_keep_more_layers():
+    from trl_turbo.offload import memory_plan
+
+    # room for every layer (and one layer's recompute) at 2 sequences of 2112 tokens, for 3 at the whole micro-batch
+    spendable = 33 * 1000 * 2 * 2112
+    plan_for = _layer_plans(32, 1000, spendable)
+    assert plan_for(16 * 2112).kept_layers == 3 and plan_for(2 * 2112).kept_layers == 32
+    rows = memory_plan.fastest_group_rows(16, 2112, None, 32, plan_for)
+    assert rows == 2  # 1.09x per token without recompute beats every larger group's recompute
+    costs = {r: memory_plan.plan_cost(plan_for(r * 2112), 32) for r in (16, 8, 4, 2)}
+    assert costs[2] == min(costs.values()) and costs[16] > 1.3
+    # one sequence (2112 tokens) is below the smallest group worth planning: never picked, even with no room at all
+    assert memory_plan.fastest_group_rows(16, 2112, None, 32, _layer_plans(32, 1000, 0)) == 16
+
+
+def test_the_group_cost_table_interpolates_in_log_tokens():
+    from trl_turbo.offload.memory_plan import GROUP_TOKEN_COSTS, group_token_cost
+
+    assert group_token_cost(1) == GROUP_TOKEN_COSTS[0][1] and group_token_cost(1 << 30) == 1.0
+    assert group_token_cost(4096) > group_token_cost(5793) > group_token_cost(8192)
+    assert group_token_cost(5793) == pytest.approx((1.10 + 1.02) / 2, abs=1e-3)  # the geometric middle
+
+
+def test_the_planner_prices_groups_from_its_last_measurement(monkeypatch):
+    from trl_turbo.offload import memory_plan
+
+    monkeypatch.setattr(memory_plan, "MIN_PLANNED_GROUP_TOKENS", 1)  # this model's forwards are tiny
     model, planner = _planned(1 << 40)
-    _grads(model, token_batch())
-    assert planner.group_tokens() is None  # everything was kept: no group needed
+    batch = token_batch()
+    sequences, length = batch.shape
+    assert planner.group_tokens(sequences, length, None) is None  # nothing measured yet
+    _grads(model, batch)
+    assert planner.group_tokens(sequences, length, None) == sequences * length  # everything was kept: one forward
     measured = planner.take_step_plans()[0]
-    tokens = measured.tokens
-    per_token_layers = 6 * measured.layer_bytes / tokens
-    per_token_head = HEAD_HIDDEN_STATES * (measured.input_bytes // 4) * 4 / tokens
-    # room (after the margin floor) for every layer at half the forward's tokens
-    spendable = int((per_token_layers + per_token_head) * tokens / 2)
-    planner.budget = lambda device: ((1 << 30) + spendable, 0, FAKE_CAPACITY)
-    _grads(model, token_batch())
-    assert planner.take_step_plans()[0].kept < 5
-    assert abs(planner.group_tokens() - tokens // 2) <= 1
-    planner.budget = lambda device: (1 << 40, 0, FAKE_CAPACITY)
-    _grads(model, token_batch())  # a forward that keeps everything leaves the group size alone
-    assert abs(planner.group_tokens() - tokens // 2) <= 1
+    # room (after the margin floor) for every layer at half the forward's tokens, for a few at the whole
+    head = memory_plan.HEAD_HIDDEN_STATES * 4 * measured.input_bytes // 4
+    planner.last_budget = ((1 << 30) + 6 * measured.layer_bytes // 2 + head // 2, 0, 1 << 30)
+    assert planner.plan_for(sequences * length).kept_layers < 6
+    assert planner.group_tokens(sequences, length, None) == sequences // 2 * length
 
 
 def test_sequence_groups_follow_the_planned_group_size():
     from types import SimpleNamespace
 
-    from trl_turbo.grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS, planned_group_tokens
+    from trl_turbo.grpo.sequence_groups import planned_group_tokens
 
-    planner = SimpleNamespace(group_tokens=lambda: 9000)
+    asked = []
+    planner = SimpleNamespace(group_tokens=lambda *args: asked.append(args) or 9000)
     trainer = SimpleNamespace(_trl_turbo_checkpointing=SimpleNamespace(planner=planner))
-    assert planned_group_tokens(trainer, length=2100) == 9000
-    assert planned_group_tokens(trainer, length=9500) is None  # not even one sequence would keep every layer
-    planner.group_tokens = lambda: MIN_PLANNED_GROUP_TOKENS - 1
-    assert planned_group_tokens(trainer, length=100) is None  # too small to be faster than recompute
-    assert planned_group_tokens(SimpleNamespace(_trl_turbo_checkpointing=None), length=100) is None
+    assert planned_group_tokens(trainer, 16, 2100, 32768) == 9000 and asked == [(16, 2100, 32768)]
+    assert planned_group_tokens(SimpleNamespace(_trl_turbo_checkpointing=None), 16, 100, 32768) is None
 
 
 def test_the_first_layer_is_checkpointed_when_its_measured_cost_cannot_fit():

@@ -1,6 +1,6 @@
 """Sequence groups: a training micro-batch over `turbo_forward_token_budget` tokens (or, with the automatic memory
-plan, over the tokens at which every layer can keep its activations) is forwarded and backpropagated in groups of
-whole sequences, so activation memory follows one group.
+plan, wherever it finds smaller forwards that keep more layers' activations faster) is forwarded and backpropagated
+in groups of whole sequences, so activation memory follows one group.
 
 Design decision: a group is a slice of the micro-batch's rows, so only inputs with one row per sequence can be split
 (never image inputs, whose rows are images, patches or tiles), and only losses that are sums over sequences given
@@ -30,7 +30,7 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
         return None
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
-    budget = min(budget, planned_group_tokens(trainer, length) or budget)
+    budget = planned_group_tokens(trainer, sequences, length, budget) or budget
     count = group_count(sequences, length, budget)
     if not rows_are_sequences(inputs, sequences):
         count = 0  # this micro-batch cannot be split (its rank still takes part in the agreement below)
@@ -54,23 +54,13 @@ def group_count(sequences: int, length: int, budget: int) -> int:
     return min(sequences, -(-sequences // max(1, budget // length)))
 
 
-# Groups the memory plan asks for are at least this many tokens. Measured (H200, Llama-3.1-8B shape, 16 x 2112
-# tokens, every layer kept in each group; file train-llama-3.1-8b-20261125-132705 and the three after it): groups of
-# 4224 tokens train in 3.38 s and 8448 in 3.15 s against 4.40 s for the whole micro-batch recomputing every layer,
-# but groups of 2112 tokens take 4.57 s: below about 4K tokens, per-group costs eat the recompute saved.
-MIN_PLANNED_GROUP_TOKENS = 4096
-
-
-def planned_group_tokens(trainer: Any, length: int) -> int | None:
-    """With `turbo_memory_plan='auto'`: the group size in tokens at which every layer keeps its activations, when an
-    earlier forward could not keep them all and such groups hold at least one sequence of `length` tokens and
-    `MIN_PLANNED_GROUP_TOKENS`; else None."""
+def planned_group_tokens(trainer: Any, sequences: int, length: int, budget: int) -> int | None:
+    """With `turbo_memory_plan='auto'`: the group size in tokens the memory plan finds fastest for a micro-batch of
+    `sequences` x `length` tokens within `budget` tokens a forward (`MemoryPlanner.group_tokens`); None before its
+    first measurement, or without a plan."""
     runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
     planner = runtime.planner if runtime is not None else None
-    tokens = planner.group_tokens() if planner is not None else None
-    if tokens is None or tokens < max(length, MIN_PLANNED_GROUP_TOKENS):
-        return None
-    return tokens
+    return planner.group_tokens(sequences, length, budget) if planner is not None else None
 
 
 def agreed_group_count(accelerator: Any, count: int, device: torch.device) -> int:

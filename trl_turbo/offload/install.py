@@ -125,8 +125,9 @@ def _install_norm_forward(model: torch.nn.Module, forward_cls: type) -> int:
     return len(norms)
 
 
-def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int) -> int:
-    """Tile every dense gated MLP of `model`'s decoder layers (idempotent; `trl_turbo.unpatch()` undoes it)."""
+def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None) -> int:
+    """Tile every dense gated MLP of `model`'s decoder layers (`tile_tokens=None`: only the kept layers' lean gated
+    product; idempotent; `trl_turbo.unpatch()` undoes it)."""
     mlps = _gated_mlps(model)
     for layer, mlp in mlps:
         current = mlp.__dict__.get("forward")

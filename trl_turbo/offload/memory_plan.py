@@ -13,11 +13,16 @@ Design decisions:
   reserve for what follows the layers (one layer's recompute, the loss head and gradients of hidden states) and a
   margin, within torch's per-process memory fraction. With a colocated vLLM engine in standby, its KV cache is
   released while training runs, and training may grow back to the device memory the last generation used, never
-  beyond: the plan turns the step's idle memory into speed without raising its peak.
-- **Smaller forwards rather than recompute.** When a forward cannot keep every layer, the planner derives from the
-  same measurement the group size at which all layers would keep their activations; later micro-batches are split
-  into sequence groups of that size (`grpo.sequence_groups`; at least one sequence and 4096 tokens), which costs
-  some GEMM efficiency instead of a third of the layers' compute.
+  beyond: the plan turns the step's idle memory into speed without raising its peak. The margin guards against
+  running out of memory (`MARGIN_FRACTION` of the device); under such a ceiling, which the device could exceed
+  without failing, a smaller one (`CEILING_MARGIN_FRACTION`) keeps the step's peak at the generation's.
+- **Kept layers store each value once** (`offload.lean_activations`): no cast copies of one input, no activation
+  output or MLP product that their inputs rebuild; the measurement counts what is actually stored.
+- **Smaller forwards rather than recompute.** From the same measurement and budget, the planner prices every way of
+  splitting the next micro-batch into sequence groups (`grpo.sequence_groups`; whole sequences, at least
+  `MIN_PLANNED_GROUP_TOKENS` a group): the layers each group size could keep, at a measured cost per token of small
+  groups (`GROUP_TOKEN_COSTS`) and of recomputing a layer (`RECOMPUTE_COST`). It takes the cheapest: on a large
+  device one forward keeping every layer, under a tight budget groups that keep most of them.
 - **Fastest plan that fits.** Keeping a layer saves its recompute (about a third of its training compute); offloading
   costs host traffic the copies mostly hide. So: as many layers kept as fit while the rest are offloaded (or, without
   an offloader, checkpointed on the device); then as many of the rest on the device as fit; the rest offloaded. Kept
@@ -32,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +45,7 @@ from typing import Any
 import torch
 
 from ..device_memory import device_budget, kept_free_bytes
+from .lean_activations import lean_saved_tensors
 
 _GIB = 2**30
 # What stays free whatever the plan: a share of the device, at least a floor (allocator fragmentation, cuBLAS/NCCL
@@ -46,6 +53,22 @@ _GIB = 2**30
 # fraction would otherwise keep a quarter of itself back, more than its recompute needs).
 MARGIN_FRACTION = 0.03
 MARGIN_FLOOR_BYTES = 1 * _GIB
+# Under a ceiling below what the device could hold (standby's generation footprint, turbo_training_memory_gib), the
+# margin only absorbs the prediction's error: a peak past the ceiling raises the step's peak, it does not fail, and a
+# miss widens the reserve of later plans. Predictions run above the measured peak (H200, Llama-3.1-8B realistic
+# e2e row 20261125-082954: 47.7 GiB predicted, 45.2 GiB measured by torch).
+CEILING_MARGIN_FRACTION = 0.01
+CEILING_MARGIN_FLOOR_BYTES = 256 * 2**20
+# Relative time per token of a micro-batch's training forward and backward split into sequence groups of this many
+# tokens, every layer keeping its activations; interpolated in log tokens, 1.0 beyond the last entry. Measured on
+# an H200, Llama-3.1-8B shape, LoRA r16, 16 x 2112 tokens (train-llama-3.1-8b-20261125-132705 to -133005): one
+# forward of 33792 tokens 3.092 s, groups of 8448 3.152 s, 4224 3.383 s, 2112 4.565 s. Groups below the first
+# entry are never planned: per-group costs eat the recompute they save.
+GROUP_TOKEN_COSTS = ((4096, 1.10), (8192, 1.02), (32768, 1.0))
+MIN_PLANNED_GROUP_TOKENS = GROUP_TOKEN_COSTS[0][0]
+# What recomputing every layer adds to that time (same files: "min", every layer checkpointed and offloaded,
+# 4.403 s against 3.092 s).
+RECOMPUTE_COST = 0.42
 # Before any measurement, a layer's saved activations are assumed to be this many times its input (Llama-3.1-8B
 # measures 21x: q/k/v, attention output, norms and the MLP's four intermediate-sized tensors). A first forward too
 # large for that runs the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).
@@ -119,6 +142,20 @@ def reserve_margin(total_bytes: int, extra_reserve_bytes: int = 0) -> int:
     return kept_free_bytes(total_bytes, MARGIN_FRACTION, MARGIN_FLOOR_BYTES) + extra_reserve_bytes
 
 
+def spendable(free_bytes: int, free_under_ceiling: int | None, total_bytes: int,
+              extra_reserve_bytes: int = 0) -> tuple[int, int]:
+    """(free bytes, margin) a plan counts on: the device's free memory less `reserve_margin`, or, where a ceiling
+    leaves less, the memory free under it less the ceiling's smaller margin."""
+    margin = reserve_margin(total_bytes, extra_reserve_bytes)
+    if free_under_ceiling is None:
+        return free_bytes, margin
+    ceiling_margin = kept_free_bytes(total_bytes, CEILING_MARGIN_FRACTION, CEILING_MARGIN_FLOOR_BYTES)
+    ceiling_margin += extra_reserve_bytes
+    if free_under_ceiling - ceiling_margin < free_bytes - margin:
+        return free_under_ceiling, ceiling_margin
+    return free_bytes, margin
+
+
 def first_layer_fits(free_bytes: int, margin_bytes: int, head_bytes: int, estimate_bytes: int) -> bool:
     """Whether the first layer may keep its activations: kept, it costs them now and a recompute-sized working set
     stays reserved for the backward pass."""
@@ -139,33 +176,46 @@ def plan_forward(layer_count: int, layer_bytes: int, input_bytes: int, head_byte
         tokens=tokens, spendable_bytes=free_bytes - margin_bytes, first_kept=first_kept)
 
 
-def all_kept_group_tokens(plan: LayerPlan, layer_count: int, head_bytes: int) -> int | None:
-    """From a forward that could not keep every layer: the most tokens a forward can have with every layer keeping
-    its activations (its bytes per token, all layers kept plus the head, against what it could spend); None when
-    the forward kept every layer or had no budget."""
-    if plan.kept == plan.layers or plan.tokens == 0 or plan.spendable_bytes < 0:
-        return None
-    per_token = (layer_count * plan.layer_bytes + head_bytes) / plan.tokens
-    return max(0, int(plan.spendable_bytes / per_token))
+def group_token_cost(tokens: int) -> float:
+    """`GROUP_TOKEN_COSTS` at `tokens` (log-linear between entries, flat outside them)."""
+    points = GROUP_TOKEN_COSTS
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (low, low_cost), (high, high_cost) in zip(points, points[1:]):
+        if tokens <= high:
+            share = math.log(tokens / low) / math.log(high / low)
+            return low_cost + share * (high_cost - low_cost)
+    return points[-1][1]
 
 
-@contextlib.contextmanager
-def counting_saved_bytes(excluded_storages: set[int]) -> Iterator[list[int]]:
-    """Within the block, add up the bytes of the distinct storages autograd saves (those in `excluded_storages`,
-    the parameters, not counted); the total is in the yielded list's only element when the block ends."""
-    sizes: dict[int, int] = {}
+def plan_cost(plan: LayerPlan, layer_count: int) -> float:
+    """Modelled time per token of a forward and backward under `plan` (1.0: one large forward keeping every layer)."""
+    recomputed = layer_count - plan.kept_layers
+    return group_token_cost(plan.tokens) * (1 + RECOMPUTE_COST * recomputed / layer_count)
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in excluded_storages:
-            sizes[pointer] = max(sizes.get(pointer, 0), storage.nbytes())
-        return tensor
 
-    total = [0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield total
-    total[0] = sum(sizes.values())
+def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, layer_count: int,
+                       plan_for: Callable[[int], LayerPlan]) -> int:
+    """Sequences per group for a micro-batch of `sequences` x `length` tokens (forwards of at most `max_tokens`,
+    None: unlimited) with the lowest `plan_cost`; `plan_for(tokens)` plans a forward of that many tokens. Groups
+    below `MIN_PLANNED_GROUP_TOKENS` are not considered (the largest allowed always is); ties go to larger groups."""
+    largest = sequences if max_tokens is None else max(1, min(sequences, max_tokens // length))
+    best_rows, best_cost = largest, math.inf
+    for rows in range(largest, 0, -1):
+        tokens = rows * length
+        if rows < largest and tokens < MIN_PLANNED_GROUP_TOKENS:
+            break
+        cost = plan_cost(plan_for(tokens), layer_count)
+        if cost < best_cost - 1e-9:
+            best_rows, best_cost = rows, cost
+    return best_rows
+
+
+def counting_saved_bytes(excluded_storages: set[int]) -> contextlib.AbstractContextManager[list[int]]:
+    """Within the block, autograd stores a kept layer's activations as `lean_activations` does and adds up the bytes
+    of the distinct storages it stores (those in `excluded_storages`, the parameters, not counted); the total is in
+    the yielded list's only element when the block ends."""
+    return lean_saved_tensors(excluded_storages)
 
 
 @dataclass
@@ -183,18 +233,27 @@ class MemoryPlanner:
     budget: Callable[[torch.device], tuple[int, int, int]] | None = None
     ceiling: Callable[[], int | None] | None = None
     extra_reserve_bytes: int = 0
-    group_budget: int | None = None
     bytes_per_token: float | None = None  # of one kept layer, as last measured
+    input_bytes_per_token: int = 0  # of a layer input, as last seen
+    head_bytes_per_token: int = 0  # of what follows the layers (`HEAD_HIDDEN_STATES`)
+    last_budget: tuple[int, int, int] | None = None  # (free, allocated, margin) read before the last forward
     current: LayerPlan | None = None
     step_plans: list[LayerPlan] = field(default_factory=list)
     warned: bool = False
 
     def _budget(self, device: torch.device) -> tuple[int, int, int] | None:
+        """(free bytes the layers may count on, bytes allocated, margin to keep), or None: no device to plan for.
+        Under a ceiling: the smaller of the device's and the ceiling's budgets, each less its own margin."""
         if self.budget is not None:
-            return self.budget(device)
+            free, allocated, total = self.budget(device)
+            return free, allocated, reserve_margin(total, self.extra_reserve_bytes)
         if device.type != "cuda":
             return None
-        return device_budget(device, self.ceiling() if self.ceiling is not None else None)
+        free, allocated, total = device_budget(device)
+        ceiling = self.ceiling() if self.ceiling is not None else None
+        under_ceiling = device_budget(device, ceiling)[0] if ceiling is not None else None
+        free, margin = spendable(free, under_ceiling, total, self.extra_reserve_bytes)
+        return free, allocated, margin
 
     def run_first_layer(self, function: Callable, args: tuple[Any, ...], frugal: Callable[..., Any]) -> Any:
         """Run the first layer, plan the other layers of this forward. The first layer keeps its activations while
@@ -207,8 +266,10 @@ class MemoryPlanner:
         head_bytes = HEAD_HIDDEN_STATES * hidden.numel() * 4
         margin = 0
         if budget is not None:
-            free, allocated, total = budget
-            margin = reserve_margin(total, self.extra_reserve_bytes)
+            free, allocated, margin = budget
+        self.input_bytes_per_token = input_bytes // max(tokens, 1)
+        self.head_bytes_per_token = head_bytes // max(tokens, 1)
+        self.last_budget = budget
         estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
                     else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
         first_kept = budget is None or first_layer_fits(free, margin, head_bytes, estimate)
@@ -227,19 +288,25 @@ class MemoryPlanner:
         else:
             plan = plan_forward(self.layer_count, layer_bytes, input_bytes, head_bytes, free, allocated, margin,
                                 first_kept, self.can_offload, tokens)
-            # Kept until a forward that cannot keep every layer happens again, so groups sized by it (which keep
-            # every layer) do not undo it.
-            group_budget = all_kept_group_tokens(plan, self.layer_count, head_bytes)
-            if group_budget is not None:
-                self.group_budget = group_budget
         self.current = plan
         self.step_plans.append(plan)
         return output
 
-    def group_tokens(self) -> int | None:
-        """The most tokens one forward can have with every layer keeping its activations (None: no forward has
-        needed fewer yet). Sequence groups of this size train without recompute."""
-        return self.group_budget
+    def plan_for(self, tokens: int) -> LayerPlan:
+        """The plan a forward of `tokens` tokens would get from the last budget and measurement."""
+        free, allocated, margin = self.last_budget
+        layer_bytes = int(self.bytes_per_token * tokens)
+        head_bytes = tokens * self.head_bytes_per_token
+        first_kept = first_layer_fits(free, margin, head_bytes, layer_bytes)
+        return plan_forward(self.layer_count, layer_bytes, tokens * self.input_bytes_per_token, head_bytes, free,
+                            allocated, margin, first_kept, self.can_offload, tokens)
+
+    def group_tokens(self, sequences: int, length: int, max_tokens: int | None) -> int | None:
+        """Tokens per sequence group for a micro-batch of `sequences` x `length` tokens, forwards of at most
+        `max_tokens` (`fastest_group_rows`); None before any forward was measured against a device budget."""
+        if self.bytes_per_token is None or self.last_budget is None:
+            return None
+        return length * fastest_group_rows(sequences, length, max_tokens, self.layer_count, self.plan_for)
 
     def mode(self, index: int) -> str:
         """How the layer at `index` >= 1 runs in the current forward (the first layer runs in `run_first_layer`);
@@ -329,7 +396,7 @@ def planned_checkpoint(planner: MemoryPlanner, index: int, offloaded: Callable[.
             return planner.run_first_layer(function, args, offloaded if planner.can_offload else on_device)
         mode = planner.mode(index)
         if mode == "keep":
-            with kept_layer():
+            with lean_saved_tensors(), kept_layer():
                 return function(*args)
         return (offloaded if mode == "offload" else on_device)(function, *args, **kwargs)
 

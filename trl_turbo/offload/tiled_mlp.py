@@ -17,7 +17,9 @@ it), the tiled MLP then skips its forward computation. The MLP runs forward twic
 checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) compute it.
 
 In a layer whose activations the memory plan keeps (`memory_plan.in_kept_layer`) the MLP runs untiled: there is no
-recompute whose working set tiling would bound.
+recompute whose working set tiling would bound. It runs its gated product through `ops.gated_product` there, so the
+layer's saved-tensor hooks (`offload.lean_activations`) store neither the activation's output nor the product.
+The same forward is installed without tiles (`tile_tokens=None`) where the memory plan is "auto" but tiling is off.
 
 The tile is `turbo_tiled_mlp_tokens` unless the device is short of it: where half the memory a plan could still
 take (`device_memory.device_budget`) would not hold a tile's working set (about `MLP_WORKING_TENSORS`
@@ -36,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ..device_memory import device_budget
+from ..ops.gated_product import gated_product
 from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing, restored_autocast
 from .memory_plan import in_kept_layer
 
@@ -125,11 +128,17 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, None, None, None, grad_x, *param_grads)
 
 
+def kept_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP in a kept layer: its module's own computation, with the gated product saving only gate and up."""
+    return mlp.down_proj(gated_product(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
+
+
 class TiledMLPForward:
     """Replaces one MLP module's `forward`; small inputs go to the original forward, and no-grad calls too unless the
-    device is short of memory (then in tiles, without autograd)."""
+    device is short of memory (then in tiles, without autograd). `tile_tokens=None`: never tiled (only the kept
+    layers' lean product)."""
 
-    def __init__(self, module: torch.nn.Module, tile_tokens: int, output_feeds_residual: bool,
+    def __init__(self, module: torch.nn.Module, tile_tokens: int | None, output_feeds_residual: bool,
                  free_bytes: Callable[[torch.device], int | None] = free_device_bytes) -> None:
         self.module = module
         self.original = module.forward
@@ -148,8 +157,12 @@ class TiledMLPForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // x.shape[-1]
-        if self._dropout_active() or in_kept_layer() or torch.is_inference_mode_enabled():
-            return self.original(x)  # a layer the memory plan keeps whole: tiles would only add recompute
+        if torch.is_inference_mode_enabled():
+            return self.original(x)
+        if in_kept_layer():  # a layer the memory plan keeps whole: tiles would only add recompute
+            return kept_mlp_forward(self.module, x) if torch.is_grad_enabled() else self.original(x)
+        if self.tile_tokens is None or self._dropout_active():
+            return self.original(x)
         grad = torch.is_grad_enabled()
         tile_tokens = self.tile_tokens if grad else tokens  # without autograd only a short device needs tiles
         if tokens > MIN_TILE_TOKENS:

@@ -93,6 +93,6 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
         planner.ceiling = lambda: generation_footprint(generation_ref())  # None once the engine is gone
     runtime = CheckpointingRuntime(offloader, planner)
     install_runtime(model, runtime)
-    if tiled:
-        install_tiled_mlp(model, args.turbo_tiled_mlp_tokens)
+    if tiled or planner is not None:  # without tiles: the lean gated product of the layers the plan keeps
+        install_tiled_mlp(model, args.turbo_tiled_mlp_tokens if tiled else None)
     return runtime

@@ -8,31 +8,37 @@ the forecast and the run cannot disagree on policy, only on bytes. Per token, on
 - around its gated MLP: four intermediate-size tensors (gate, up, the activation and the product).
 Linear modules stored in 4 bits save no copy of their input (bitsandbytes recomputes from the weight), which
 removes one hidden state per shared input and the attention-output and MLP-product inputs.
-A layer whose activations are kept (no checkpoint) also holds `KEPT_EXTRA_STATES` more (its input and its lean
-norms' fp32 output). Recomputing a checkpointed layer in the backward pass takes twice its saved activations (the
-activations and their gradients), over one MLP tile only where the MLP is tiled.
-Calibrated on the Llama-3.1-8B and Gemma-2-9B bench shapes (H200): NORM_STATES and KEPT_EXTRA_STATES are the only
-fitted numbers; `tests/planning` checks every committed bench-train row of the current code against them.
+Recomputing a checkpointed layer in the backward pass takes twice its saved activations (the activations and their
+gradients), over one MLP tile only where the MLP is tiled. Calibrated on the Llama-3.1-8B and Gemma-2-9B bench
+shapes (H200): NORM_STATES is the only fitted number.
+A layer whose activations the plan keeps stores each value once (`offload.lean_activations`), counted from its
+parts (`kept_layer_states`): each norm's saved input (`KEPT_NORM_STATES`), one copy of each of the three linear
+inputs (attention, attention output, MLP), the query, key, value and attention output, and the MLP's gate and up.
+`tests/planning` checks every committed bench row of the current code against the forecast.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grpo.sequence_groups import MIN_PLANNED_GROUP_TOKENS, group_count
+from ..families import LLAMA_NORM_MODEL_TYPES
+from ..grpo.sequence_groups import group_count
 from ..offload.memory_plan import (
     HEAD_HIDDEN_STATES,
     LayerPlan,
-    all_kept_group_tokens,
+    fastest_group_rows,
     first_layer_fits,
     plan_forward,
-    reserve_margin,
+    spendable,
 )
 from ..offload.tiled_mlp import MLP_WORKING_TENSORS, fitting_tile_tokens
 from .model_spec import ModelSpec
 
 NORM_STATES = 2.25
-KEPT_EXTRA_STATES = 4
+# What a norm of a kept layer saves, in hidden-size tensors: a lean (Llama-style) norm its 16-bit input; another
+# (gemma's `1 + weight` form) an fp32 copy of its input and its fp32 normalised value.
+KEPT_NORM_STATES = {True: 1, False: 4}
+KEPT_LINEAR_INPUTS = 3  # the attention's, the attention output's and the MLP's input, one copy each
 ACTIVATION_BYTES = 2  # bf16
 # Device memory outside torch's allocator (CUDA context, cuBLAS workspaces): not free for the planner.
 CONTEXT_BYTES = 512 * 2**20
@@ -68,6 +74,14 @@ def layer_states(spec: ModelSpec, quantized_4bit: bool) -> tuple[float, float]:
         attention -= hidden + spec.query_width
         mlp -= hidden + spec.intermediate_size
     return attention / hidden, mlp / hidden
+
+
+def kept_layer_states(spec: ModelSpec) -> float:
+    """One kept layer's saved activations, in hidden-size tensors per token (see the module docstring)."""
+    hidden = spec.hidden_size
+    norms = KEPT_NORM_STATES[spec.model_type in LLAMA_NORM_MODEL_TYPES] * spec.norms_per_layer
+    attention = (2 * spec.query_width + 2 * spec.key_value_width) / hidden
+    return norms + KEPT_LINEAR_INPUTS + attention + 2 * spec.intermediate_size / hidden
 
 
 def token_groups(batch: MicroBatch, budget: int | None) -> tuple[int, int]:
@@ -106,12 +120,10 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         return TrainingForecast(mode, peak, peak, rows, groups, None, host)
 
     # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
-    kept_per_token = (attention + mlp + KEPT_EXTRA_STATES) * unit
+    kept_per_token = kept_layer_states(spec) * unit
     allocated = static_bytes + adapter_grads
-    free = capacity_bytes - CONTEXT_BYTES - allocated
-    if ceiling_bytes is not None:
-        free = min(free, ceiling_bytes - CONTEXT_BYTES - allocated)
-    margin = reserve_margin(capacity_bytes)
+    under_ceiling = None if ceiling_bytes is None else ceiling_bytes - CONTEXT_BYTES - allocated
+    free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes)
 
     def head_bytes(group_tokens: int) -> int:
         return HEAD_HIDDEN_STATES * group_tokens * spec.hidden_size * 4
@@ -124,11 +136,10 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     first_plan = plan_for(tokens)
     plan, steady_rows, steady_groups = first_plan, rows, groups
-    # the planner re-groups so every layer keeps its activations (`grpo.sequence_groups.planned_group_tokens`)
-    group_budget = all_kept_group_tokens(first_plan, spec.layers, head_bytes(tokens))
-    if group_budget is not None and group_budget >= max(batch.sequence_tokens, MIN_PLANNED_GROUP_TOKENS):
-        budget = min(forward_token_budget or group_budget, group_budget)
-        steady_rows, steady_groups = token_groups(batch, budget)
+    if forward_token_budget is not None:  # later micro-batches: the groups the planner prices fastest
+        steady_rows = fastest_group_rows(batch.sequences, batch.sequence_tokens, forward_token_budget, spec.layers,
+                                         plan_for)
+        steady_rows, steady_groups = token_groups(batch, steady_rows * batch.sequence_tokens)
         plan = plan_for(steady_rows * batch.sequence_tokens)
     host = plan.offloaded * plan.input_bytes
     return TrainingForecast("auto", plan.predicted_peak_bytes, first_plan.predicted_peak_bytes, steady_rows,

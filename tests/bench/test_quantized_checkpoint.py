@@ -102,6 +102,11 @@ def test_e2e_saves_a_4bit_run_checkpoint_already_quantized(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
     assert len(e2e.load_tokenizer(tmp_path)(e2e.prompts(1, 4, 512, seed=0)[0]).input_ids) == 4
     assert e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu", quantization="nf4") == identity  # reused
+    # every variant loads it as the trainer does: 4-bit from its own config (a second, dict config is refused)
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {**e2e.MODEL_INIT_KWARGS, "dtype": getattr(torch, e2e.MODEL_INIT_KWARGS["dtype"])}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).is_loaded_in_4bit
 
 
 def test_building_a_shape_leaves_the_table_unchanged():

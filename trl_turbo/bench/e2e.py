@@ -82,6 +82,11 @@ def wordlevel_tokenizer(vocab_size: int) -> Any:
                                    bos_token=bos)
 
 
+# How every variant loads the checkpoint. No `quantization_config`: `prepare_checkpoint` saves a 4-bit run's
+# checkpoint already quantized, and transformers refuses a second, dict-typed config for it.
+MODEL_INIT_KWARGS = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
+
+
 def prepare_checkpoint(shape: str, path: Path, seed: int, device: str,
                        quantization: str = "none") -> dict[str, Any]:
     """Save a random-init bf16 model of ``shape`` and its tokenizer to ``path`` (reused when already there); with a
@@ -264,9 +269,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         num_generations=spec["generations"],
         max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
         gradient_checkpointing=True, report_to="none", save_strategy="no",
-        model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa",
-                           **({"quantization_config": QUANTIZATIONS[spec["quantization"]]}
-                              if QUANTIZATIONS[spec["quantization"]] else {})},
+        model_init_kwargs=MODEL_INIT_KWARGS,  # a 4-bit checkpoint is saved quantized: its config says how
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
         **spec["variant_config"][variant],

@@ -30,6 +30,11 @@ OPTIMIZER_BYTES_PER_PARAM = 8
 # Device memory vLLM's profiling run keeps out of its KV pool (activations of one scheduler step), measured with
 # Llama-3.1-8B on the H100 and the H200 (1.17 GiB on both).
 VLLM_PROFILE_BYTES = int(1.17 * 2**30)
+# An engine that samples from bitsandbytes 4-bit weights keeps about this many times one scheduler step's
+# hidden-state workspace (`vllm.kv_budget.sampling_workspace_bytes`) more, outside its KV pool (dequantized weight
+# tiles, LoRA kernels' buffers): measured 1.52 GiB with Llama-3.1-8B and 0.58 GiB with Qwen2.5-1.5B, NF4, shared
+# weights, H200 (e2e-llama-3.1-8b-nf4-cap15gib-20261125-162430, e2e-qwen2.5-1.5b-nf4-cap5gib-20261125-163213).
+FOUR_BIT_ENGINE_WORKSPACES = 1.5
 FP8_BYTES_PER_WEIGHT = 1
 COMPLETION_STEP = 256
 
@@ -93,6 +98,11 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     phases: list[Phase] = []
     engine_weights = engine_kv = engine_training = 0
     host_engine = 0
+    max_num_seqs = args.per_device_train_batch_size * _field(args, "steps_per_generation", 1) or 256
+    step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
+    workspace = VLLM_PROFILE_BYTES
+    if quantized_4bit and not fp8:  # vLLM samples from the 4-bit weights (its own copy, or shared)
+        workspace += int(FOUR_BIT_ENGINE_WORKSPACES * step_workspace)
     if colocated:
         if shared:
             # fp8 sampling: an e4m3 copy of the linear weights beside the 16-bit ones (an upper bound: the base may be
@@ -106,7 +116,6 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
             per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
                                            dtype_bytes=kv_dtype_bytes)
             max_model_len = _field(args, "vllm_max_model_length", None)
-            max_num_seqs = args.per_device_train_batch_size * _field(args, "steps_per_generation", 1) or 256
             useful = useful_kv_cache_bytes(
                 max_num_seqs=max_num_seqs,
                 seq_len=expected_seq_len(max_model_length=max_model_len, max_completion_length=completion),
@@ -115,26 +124,24 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                 engine_kv = auto_kv_cache_bytes(
                     free_bytes=capacity_bytes - CONTEXT_BYTES - static, total_bytes=capacity_bytes,
                     vllm_weight_bytes=engine_weights, trainable_params=trainable,
-                    sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, spec.vocab_size,
-                                                                      spec.hidden_size),
-                    useful_bytes=useful)
+                    sampling_workspace_bytes=step_workspace, useful_bytes=useful)
             except ValueError as exc:
                 error = str(exc)
         else:
-            engine_kv = max(0, int(utilization * capacity_bytes) - engine_weights - VLLM_PROFILE_BYTES)
+            engine_kv = max(0, int(utilization * capacity_bytes) - engine_weights - workspace)
             if engine_kv == 0:
                 error = (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to its "
                          f"{engine_weights / 2**30:.1f} GiB of weights")
-        engine = engine_weights + engine_kv + VLLM_PROFILE_BYTES
+        engine = engine_weights + engine_kv + workspace
         phases.append(Phase("start-up", static + engine, 0,
                             {"weights": weights, "adapter": adapter, "vLLM weights": engine_weights,
-                             "KV cache": engine_kv, "vLLM workspace": VLLM_PROFILE_BYTES}))
+                             "KV cache": engine_kv, "vLLM workspace": workspace}))
         merged_host = 2 * spec.layer_linear_parameters if (shared and sampling in ("auto", "merged")
                                                           and not quantized_4bit) else 0
         phases.append(Phase("generation", static + optimizer + engine, merged_host,
                             {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                              "vLLM weights": engine_weights, "KV cache": engine_kv,
-                             "vLLM workspace": VLLM_PROFILE_BYTES}))
+                             "vLLM workspace": workspace}))
         if standby:
             engine_training = engine_weights if not fp8 else 0
         elif _field(args, "vllm_enable_sleep_mode", False):

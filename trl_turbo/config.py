@@ -176,7 +176,8 @@ class TurboFields:
             "whole micro-batch, so activation memory follows one group. Gradients equal the unsplit pass up to float "
             "reassociation; per-step metrics are averaged over groups as TRL averages micro-batches. Not applied "
             "with top_entropy_quantile < 1, clip_cov/kl_cov, adaptive entropy, MoE aux losses, DeepSpeed or image "
-            "inputs, or with turbo_memory_plan='off'. None: never split."
+            "inputs, or with turbo_memory_plan='off'. turbo_memory_plan='auto' may split into smaller groups, "
+            "within this budget. None: never split."
         },
     )
     turbo_lean_norms: bool = field(
@@ -274,7 +275,9 @@ class TurboFields:
         default=None,
         metadata={
             "help": "Route the RMSNorms and gated-SiLU MLPs of " + listed(LLAMA_NORM_MODEL_TYPES) + " models through "
-            "Liger-Kernel's fused Triton kernels (in place of the lean norms; the tiled MLP tiles Liger's MLP). "
+            "Liger-Kernel's fused Triton kernels (in place of the lean norms; the tiled MLP tiles Liger's MLP, and "
+            "layers the memory plan keeps compute the gated product in torch, as the modeling code does, so it can "
+            "be rebuilt instead of stored). "
             "None (default): on for a one-process run on a CUDA GPU with liger-kernel installed (where its "
             "results were checked against stock), else off. True needs liger-kernel and a CUDA GPU."
         },

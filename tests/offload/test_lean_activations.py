@@ -109,3 +109,42 @@ def test_copies_of_one_source_are_stored_once():
     sum(o.sum() for o in outs).backward()
     expected = [x.detach().float().t() @ torch.ones(4, 8) for _ in weights]
     assert all(torch.equal(w.grad, e) for w, e in zip(weights, expected))
+
+
+def test_the_graph_api_the_matching_reads_is_there():
+    """`_input_metadata` (each node's output dtypes) is private torch API: without it no copy or product would match,
+    silently. This fails loudly instead."""
+    source = torch.randn(4, dtype=torch.bfloat16, requires_grad=True) * 1
+    copy = source.to(torch.float32).to(torch.bfloat16)
+    assert copy.grad_fn._input_metadata[0].dtype == torch.bfloat16
+    assert cast_source(copy)[0] is source.grad_fn
+
+
+def test_a_forward_without_backward_leaves_nothing_behind():
+    import gc
+    import weakref
+
+    x = torch.randn(8, requires_grad=True)
+    with lean_saved_tensors():
+        out = (x * 1).exp()  # exp saves its own output
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_in_place_write_after_saving_is_refused():
+    x = torch.randn(8, requires_grad=True)
+    with lean_saved_tensors():
+        hidden = x * 1
+        out = hidden.exp()
+    out.mul_(2)  # exp's saved output changed
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_parameterised_activation_keeps_the_plain_product():
+    from trl_turbo.ops.gated_product import can_run_gated
+
+    assert can_run_gated(torch.nn.SiLU()) and can_run_gated(torch.nn.functional.silu)
+    assert not can_run_gated(torch.nn.PReLU())

@@ -214,7 +214,7 @@ def test_the_fastest_group_size_is_one_forward_where_everything_fits():
 
     plan_for = _layer_plans(32, 1000, 1 << 50)
     assert fastest_group_rows(16, 2112, None, 32, plan_for) == 16
-    assert fastest_group_rows(16, 2112, 32768, 32, plan_for) == 15  # the forward token budget still caps groups
+    assert fastest_group_rows(16, 2112, 32768, 32, plan_for) == 8  # the token budget still caps groups: 2 of 8
 
 
 def test_a_tight_budget_buys_smaller_groups_that_keep_more_layers():
@@ -230,6 +230,11 @@ def test_a_tight_budget_buys_smaller_groups_that_keep_more_layers():
     assert costs[2] == min(costs.values()) and costs[16] > 1.3
     # one sequence (2112 tokens) is below the smallest group worth planning: never picked, even with no room at all
     assert memory_plan.fastest_group_rows(16, 2112, None, 32, _layer_plans(32, 1000, 0)) == 16
+    # a split is priced as it runs: 16 sequences of 1500 tokens in groups of at most 3 run as 3,3,3,3,2,2, whose
+    # 2-sequence groups (3000 tokens) are under the floor; 16 in groups of 3 or 4 never comes out of it
+    tight = _layer_plans(32, 1000, 33 * 1000 * 3 * 1500)
+    rows = memory_plan.fastest_group_rows(16, 1500, None, 32, tight)
+    assert (16 // -(-16 // rows)) * 1500 >= memory_plan.MIN_PLANNED_GROUP_TOKENS
 
 
 def test_the_group_cost_table_interpolates_in_log_tokens():
@@ -361,3 +366,25 @@ def test_the_margin_is_a_share_of_large_devices_and_at_most_a_tenth_of_small_one
     assert memory_plan.reserve_margin(24 * gib) == 1 * gib  # the floor
     assert memory_plan.reserve_margin(int(4.4 * gib)) == int(0.44 * gib)  # a 5 GiB cap: a tenth, not a quarter
     assert memory_plan.reserve_margin(24 * gib, extra_reserve_bytes=gib) == 2 * gib
+
+
+def test_a_ceiling_spends_up_to_itself_with_the_smaller_margin():
+    from trl_turbo.offload.memory_plan import reserve_margin, spendable
+
+    gib = 2**30
+    total = 141 * gib
+    assert spendable(100 * gib, None, total) == (100 * gib, reserve_margin(total))  # the device binds: 3%
+    free, margin = spendable(100 * gib, 20 * gib, total)  # the ceiling binds: 1% (1.41 GiB), not 4.23
+    assert free == 20 * gib and margin == int(0.01 * total)
+    assert spendable(10 * gib, 20 * gib, total) == (10 * gib, reserve_margin(total))  # the device is shorter
+    assert spendable(100 * gib, 20 * gib, total, extra_reserve_bytes=gib)[1] == int(0.01 * total) + gib
+
+
+def test_auto_without_tiles_still_installs_the_kept_layers_mlp(tmp_path):
+    from trl_turbo.offload.tiled_mlp import TiledMLPForward
+
+    trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
+                                                             turbo_tiled_mlp=False), peft=True)
+    mlps = [layer.mlp for layer in trainer.model.get_base_model().model.layers]
+    forwards = [mlp.__dict__.get("forward") for mlp in mlps]
+    assert all(isinstance(f, TiledMLPForward) and f.tile_tokens is None for f in forwards)

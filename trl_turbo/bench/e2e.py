@@ -269,7 +269,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         num_generations=spec["generations"],
         max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
         gradient_checkpointing=True, report_to="none", save_strategy="no",
-        model_init_kwargs=MODEL_INIT_KWARGS,  # a 4-bit checkpoint is saved quantized: its config says how
+        model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized: its config says how
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
         **spec["variant_config"][variant],

@@ -17,8 +17,9 @@ from ..config import memory_plan
 
 
 def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
-    """Split the micro-batch into groups of whole sequences of at most `turbo_forward_token_budget` tokens each,
-    when it exceeds the budget and the loss allows it; None: one forward over the whole micro-batch.
+    """Split the micro-batch into groups of whole sequences of at most `turbo_forward_token_budget` tokens each (with
+    the automatic memory plan: the groups it prices fastest, within that budget), when the loss allows it; None: one
+    forward over the whole micro-batch.
 
     With several processes every rank runs the same number of groups (the largest any rank needs): each group is
     a forward and backward pass, and DDP's buffer broadcasts, ZeRO-3's and FSDP's gathers and their gradient

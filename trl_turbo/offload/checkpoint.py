@@ -42,6 +42,7 @@ import torch
 import torch.utils.checkpoint
 
 from ..host_memory import offload_host_floor_bytes
+from ..ops.autocast_state import autocast_state, restored_autocast
 from .pinned_pool import DEFAULT_CHUNK_BYTES, HostBlocks, PinnedPool
 
 _recomputing: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_turbo_recomputing", default=False)
@@ -222,19 +223,6 @@ def _recompute_state(cpu_rng: torch.Tensor, device_rng: tuple[torch.device, torc
             _recomputing.reset(token)
 
 
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-
-
-@contextlib.contextmanager
-def restored_autocast(state: list[tuple[str, bool, torch.dtype]]) -> Iterator[None]:
-    """Re-enter the autocast state `_autocast_state()` captured in a forward pass (backward runs outside it)."""
-    with contextlib.ExitStack() as stack:
-        for device_type, enabled, dtype in state:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        yield
-
-
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function: Callable, offloader: CheckpointOffloader | None, param_count: int,
@@ -245,7 +233,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.hidden_requires_grad = hidden.requires_grad
         ctx.cpu_rng = torch.get_rng_state()
         ctx.device_rng = (hidden.device, torch.cuda.get_rng_state(hidden.device)) if hidden.is_cuda else None
-        ctx.autocast = _autocast_state()
+        ctx.autocast = autocast_state()
         tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.tensor_positions = tensor_positions
         ctx.other_args = [None if i in tensor_positions else a for i, a in enumerate(args)]

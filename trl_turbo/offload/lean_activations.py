@@ -11,12 +11,17 @@ redundant:
   output), and the down projection's LoRA saves a cast of that product: it is rebuilt from gate and up when the
   backward pass needs it (an elementwise op) instead of being stored.
 A saved tensor is matched only through the autograd graph: views after value-preserving casts (every cast's dtype at
-least as wide as the source's, the last one any of them) of one source node's output. Everything else is stored as
-autograd would store it. Values and gradients are bitwise those of plain autograd.
+least as wide as the source's, the last one any of them) of one source node's output, on one device. Copies are
+assumed to lay their source out alike (`Tensor.to` preserves the layout) and the source not to change between them
+(an in-place write under no_grad would go unseen). Everything else is stored as autograd would store it. Values and
+gradients are bitwise those of plain autograd.
 
-Hooks nest by replacement, not composition, so these are pushed only where no other saved-tensor hooks run: around
-a kept layer (never inside a checkpoint, whose recompute relies on its own hooks). They also count what they store
-(storages other than the parameters' once each): the planner's measurement of a kept layer.
+What is stored is detached (a saved output would otherwise hold its own node in a cycle the garbage collector cannot
+break when no backward pass runs) with its version, checked at unpack: hooks skip autograd's own in-place check.
+Hooks nest by replacement, not composition, so these are pushed only around a kept layer (never inside a checkpoint,
+whose recompute relies on its own hooks; a user's outer hooks would not see the layer's tensors). They count what they
+store (storages other than the parameters' once each: the planner's measurement of a kept layer) and what plain
+autograd would have stored (the working set of a layer's backward or recompute).
 """
 
 from __future__ import annotations
@@ -51,13 +56,29 @@ class _Rebuilt:
 
     node: object
     dtype: torch.dtype
+    device: torch.device
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
 
     def materialize(self) -> torch.Tensor:
-        product = recompute_gated_product(self.node).to(self.dtype)
+        product = recompute_gated_product(self.node).to(device=self.device, dtype=self.dtype)
         return product.as_strided(self.size, self.stride, self.offset)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A saved tensor kept as it is (detached), with its version at pack time."""
+
+    tensor: torch.Tensor
+    version: int
+
+    def materialize(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
+                               f"operation (version {self.version} saved, {self.tensor._version} now; a layer "
+                               "trl_turbo's memory plan keeps)")
+        return self.tensor
 
 
 def _output_dtype(node: object, output_nr: int) -> torch.dtype | None:
@@ -71,7 +92,7 @@ def cast_source(tensor: torch.Tensor) -> tuple[object, int, int] | None:
     """(source node, its output index, casts) when `tensor` is views of value-preserving casts of that output (the
     longest such chain; no cast: views of the output itself); else None."""
     node = tensor.grad_fn
-    output_nr = 0
+    output_nr = tensor.output_nr
     while node is not None and node.name() in VIEW_NODES:
         node, output_nr = node.next_functions[0]
     if node is None:
@@ -100,48 +121,52 @@ class KeptLayerSaver:
 
     def __init__(self, excluded_storages: set[int] | None = None) -> None:
         self.excluded = excluded_storages or set()
-        self.copies: dict[tuple, torch.Tensor] = {}
+        self.copies: dict[tuple, _Stored] = {}
         self.sources: list[object] = []  # keeps the source nodes (the copies' keys hold their ids) alive
-        self.sizes: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}  # what is stored, per storage
+        self.plain_sizes: dict[int, int] = {}  # what plain autograd would store, per storage
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Rebuilt:
+    def pack(self, tensor: torch.Tensor) -> _Stored | _Rebuilt:
+        self._count(tensor, self.plain_sizes)
         source = cast_source(tensor) if tensor.grad_fn is not None else None
         if source is not None:
             node, output_nr, casts = source
-            geometry = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+            geometry = (tensor.dtype, tensor.device, tuple(tensor.shape), tuple(tensor.stride()),
+                        tensor.storage_offset())
             if is_gated_product_node(node):
                 return _Rebuilt(node, *geometry)
-        if source is not None and source[2] > 0:  # a copy: stored once per source, dtype and geometry
+        stored = _Stored(tensor.detach(), tensor._version)
+        if source is not None and source[2] > 0:  # a copy: stored once per source, dtype, device and geometry
             key = (id(node), output_nr, *geometry)
             if key in self.copies:
                 return self.copies[key]
-            self.copies[key] = tensor
+            self.copies[key] = stored
             self.sources.append(node)
+        self._count(tensor, self.sizes)
+        return stored
+
+    def _count(self, tensor: torch.Tensor, sizes: dict[int, int]) -> None:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in self.excluded:
-            self.sizes[pointer] = max(self.sizes.get(pointer, 0), storage.nbytes())
-        return tensor
+            sizes[pointer] = max(sizes.get(pointer, 0), storage.nbytes())
 
     @staticmethod
-    def unpack(packed: torch.Tensor | _Rebuilt) -> torch.Tensor:
-        return packed.materialize() if isinstance(packed, _Rebuilt) else packed
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(self.sizes.values())
+    def unpack(packed: _Stored | _Rebuilt) -> torch.Tensor:
+        return packed.materialize()
 
 
 @contextlib.contextmanager
 def lean_saved_tensors(excluded_storages: set[int] | None = None) -> Iterator[list[int]]:
-    """Within the block, autograd stores what a kept layer saves without copies or rebuildable products; the bytes
-    stored (distinct storages, `excluded_storages` not counted) are in the yielded list's only element at exit."""
+    """Within the block, autograd stores what a kept layer saves without copies or rebuildable products. At exit the
+    yielded list holds the bytes stored and the bytes plain autograd would have stored (distinct storages,
+    `excluded_storages` not counted)."""
     saver = KeptLayerSaver(excluded_storages)
-    total = [0]
+    totals = [0, 0]
     try:
         with torch.autograd.graph.saved_tensors_hooks(saver.pack, saver.unpack):
-            yield total
+            yield totals
     finally:
-        total[0] = saver.stored_bytes
+        totals[:] = [sum(saver.sizes.values()), sum(saver.plain_sizes.values())]
         saver.copies.clear()
         saver.sources.clear()

@@ -10,7 +10,8 @@ Design decisions:
   judged by the last measurement scaled to this shape's tokens (or, before any, a prior of 24x the layer input), it
   then runs checkpointed and the plan uses that estimate.
 - **From the memory free at that moment.** The device's free memory plus torch's cached-but-unused blocks, less a
-  reserve for what follows the layers (one layer's recompute, the loss head and gradients of hidden states) and a
+  reserve for what follows the layers (one layer's backward or recompute, sized by what plain autograd would store for
+  it; the loss head and gradients of hidden states) and a
   margin, within torch's per-process memory fraction. With a colocated vLLM engine in standby, its KV cache is
   released while training runs, and training may grow back to the device memory the last generation used, never
   beyond: the plan turns the step's idle memory into speed without raising its peak. The margin guards against
@@ -69,9 +70,9 @@ MIN_PLANNED_GROUP_TOKENS = GROUP_TOKEN_COSTS[0][0]
 # What recomputing every layer adds to that time (same files: "min", every layer checkpointed and offloaded,
 # 4.403 s against 3.092 s).
 RECOMPUTE_COST = 0.42
-# Before any measurement, a layer's saved activations are assumed to be this many times its input (Llama-3.1-8B
-# measures 21x: q/k/v, attention output, norms and the MLP's four intermediate-sized tensors). A first forward too
-# large for that runs the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).
+# Before any measurement, a layer's saved activations (and its backward working set) are assumed to be this many times
+# its input (Llama-3.1-8B: plain autograd saves 24.6x, a kept layer 14.5x). A first forward too large for that runs
+# the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).
 PRIOR_LAYER_BYTES_PER_INPUT_BYTE = 24
 # fp32 hidden-state-sized tensors alive after the layers: the final norm's input and output, the fused loss's gradient
 # of the hidden states, and the layers' output gradient in flight.
@@ -156,19 +157,22 @@ def spendable(free_bytes: int, free_under_ceiling: int | None, total_bytes: int,
     return free_bytes, margin
 
 
-def first_layer_fits(free_bytes: int, margin_bytes: int, head_bytes: int, estimate_bytes: int) -> bool:
-    """Whether the first layer may keep its activations: kept, it costs them now and a recompute-sized working set
-    stays reserved for the backward pass."""
-    return free_bytes - margin_bytes - head_bytes - 2 * estimate_bytes >= 0
+def first_layer_fits(free_bytes: int, margin_bytes: int, head_bytes: int, estimate_bytes: int,
+                     working_bytes: int | None = None) -> bool:
+    """Whether the first layer may keep its activations: kept, it costs them now (`estimate_bytes`) and a layer's
+    backward working set (`working_bytes`, default the same) stays reserved for the backward pass."""
+    working = estimate_bytes if working_bytes is None else working_bytes
+    return free_bytes - margin_bytes - head_bytes - estimate_bytes - working >= 0
 
 
 def plan_forward(layer_count: int, layer_bytes: int, input_bytes: int, head_bytes: int, free_bytes: int,
                  allocated_bytes: int, margin_bytes: int, first_kept: bool, can_offload: bool,
-                 tokens: int) -> LayerPlan:
+                 tokens: int, working_bytes: int | None = None) -> LayerPlan:
     """The plan of a forward's layers after the first, from the budget read before the first layer ran (what it
-    keeps is spent from `free_bytes`) and one layer's activation bytes."""
+    keeps is spent from `free_bytes`), one kept layer's activation bytes and one layer's backward working set
+    (`working_bytes`: what plain autograd stores for it, recomputed or kept; default `layer_bytes`)."""
     first_bytes = layer_bytes if first_kept else (0 if can_offload else input_bytes)
-    working = layer_bytes + head_bytes  # after the layers: one layer's recompute, the head's hidden states
+    working = (layer_bytes if working_bytes is None else working_bytes) + head_bytes  # one layer's, the head's
     available = free_bytes - first_bytes - working - margin_bytes
     return dataclasses.replace(
         plan_layers(layer_count - 1, layer_bytes, input_bytes, available, can_offload,
@@ -188,24 +192,30 @@ def group_token_cost(tokens: int) -> float:
     return points[-1][1]
 
 
-def plan_cost(plan: LayerPlan, layer_count: int) -> float:
-    """Modelled time per token of a forward and backward under `plan` (1.0: one large forward keeping every layer)."""
+def plan_cost(plan: LayerPlan, layer_count: int, tokens: float | None = None) -> float:
+    """Modelled time per token of a forward and backward under `plan` (1.0: one large forward keeping every layer),
+    its groups `tokens` long on average (default: the plan's)."""
     recomputed = layer_count - plan.kept_layers
-    return group_token_cost(plan.tokens) * (1 + RECOMPUTE_COST * recomputed / layer_count)
+    return group_token_cost(plan.tokens if tokens is None else tokens) * (1 + RECOMPUTE_COST * recomputed / layer_count)
 
 
 def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, layer_count: int,
                        plan_for: Callable[[int], LayerPlan]) -> int:
-    """Sequences per group for a micro-batch of `sequences` x `length` tokens (forwards of at most `max_tokens`,
-    None: unlimited) with the lowest `plan_cost`; `plan_for(tokens)` plans a forward of that many tokens. Groups
-    below `MIN_PLANNED_GROUP_TOKENS` are not considered (the largest allowed always is); ties go to larger groups."""
+    """Sequences in the largest group of the split of a micro-batch of `sequences` x `length` tokens (forwards of at
+    most `max_tokens`, None: unlimited) with the lowest `plan_cost`; `plan_for(tokens)` plans a forward of that many
+    tokens. Each number of groups `grpo.sequence_groups` can run is priced as it runs: memory by its largest group,
+    time by its mean one. Splits whose smallest group is under `MIN_PLANNED_GROUP_TOKENS` are not considered (the
+    fewest groups the token budget allows always are); ties go to fewer groups."""
     largest = sequences if max_tokens is None else max(1, min(sequences, max_tokens // length))
-    best_rows, best_cost = largest, math.inf
-    for rows in range(largest, 0, -1):
-        tokens = rows * length
-        if rows < largest and tokens < MIN_PLANNED_GROUP_TOKENS:
+    fewest = -(-sequences // largest)
+    best_rows, best_cost = -(-sequences // fewest), math.inf
+    for count in range(fewest, sequences + 1):
+        rows = -(-sequences // count)
+        if -(-sequences // rows) != count:
+            continue  # the split runs these groups as fewer ones of the same size, priced at that count
+        if count > fewest and (sequences // count) * length < MIN_PLANNED_GROUP_TOKENS:
             break
-        cost = plan_cost(plan_for(tokens), layer_count)
+        cost = plan_cost(plan_for(rows * length), layer_count, sequences * length / count)
         if cost < best_cost - 1e-9:
             best_rows, best_cost = rows, cost
     return best_rows
@@ -213,8 +223,8 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
 
 def counting_saved_bytes(excluded_storages: set[int]) -> contextlib.AbstractContextManager[list[int]]:
     """Within the block, autograd stores a kept layer's activations as `lean_activations` does and adds up the bytes
-    of the distinct storages it stores (those in `excluded_storages`, the parameters, not counted); the total is in
-    the yielded list's only element when the block ends."""
+    of the distinct storages it stores (those in `excluded_storages`, the parameters, not counted); when the block
+    ends the yielded list holds that total and what plain autograd would have stored."""
     return lean_saved_tensors(excluded_storages)
 
 
@@ -234,6 +244,7 @@ class MemoryPlanner:
     ceiling: Callable[[], int | None] | None = None
     extra_reserve_bytes: int = 0
     bytes_per_token: float | None = None  # of one kept layer, as last measured
+    plain_bytes_per_token: float | None = None  # what plain autograd would store for it (a layer's working set)
     input_bytes_per_token: int = 0  # of a layer input, as last seen
     head_bytes_per_token: int = 0  # of what follows the layers (`HEAD_HIDDEN_STATES`)
     last_budget: tuple[int, int, int] | None = None  # (free, allocated, margin) read before the last forward
@@ -272,13 +283,15 @@ class MemoryPlanner:
         self.last_budget = budget
         estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
                     else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
-        first_kept = budget is None or first_layer_fits(free, margin, head_bytes, estimate)
+        working = (int(self.plain_bytes_per_token * tokens) if self.plain_bytes_per_token is not None
+                   else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
+        first_kept = budget is None or first_layer_fits(free, margin, head_bytes, estimate, working)
         if first_kept:
             storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
             with counting_saved_bytes(storages) as counted, kept_layer():
                 output = function(*args)
-            layer_bytes = counted[0]
-            self.bytes_per_token = layer_bytes / tokens
+            layer_bytes, working = counted
+            self.bytes_per_token, self.plain_bytes_per_token = layer_bytes / tokens, working / tokens
         else:  # an estimate only: from an earlier measurement, else the prior (then nothing else is kept either)
             output = frugal(function, *args)
             layer_bytes = estimate
@@ -287,7 +300,7 @@ class MemoryPlanner:
             plan = LayerPlan(0, 0, others, layer_bytes, input_bytes, -1, -1, tokens)
         else:
             plan = plan_forward(self.layer_count, layer_bytes, input_bytes, head_bytes, free, allocated, margin,
-                                first_kept, self.can_offload, tokens)
+                                first_kept, self.can_offload, tokens, working)
         self.current = plan
         self.step_plans.append(plan)
         return output
@@ -296,15 +309,16 @@ class MemoryPlanner:
         """The plan a forward of `tokens` tokens would get from the last budget and measurement."""
         free, allocated, margin = self.last_budget
         layer_bytes = int(self.bytes_per_token * tokens)
+        working = int(self.plain_bytes_per_token * tokens)
         head_bytes = tokens * self.head_bytes_per_token
-        first_kept = first_layer_fits(free, margin, head_bytes, layer_bytes)
+        first_kept = first_layer_fits(free, margin, head_bytes, layer_bytes, working)
         return plan_forward(self.layer_count, layer_bytes, tokens * self.input_bytes_per_token, head_bytes, free,
-                            allocated, margin, first_kept, self.can_offload, tokens)
+                            allocated, margin, first_kept, self.can_offload, tokens, working)
 
     def group_tokens(self, sequences: int, length: int, max_tokens: int | None) -> int | None:
         """Tokens per sequence group for a micro-batch of `sequences` x `length` tokens, forwards of at most
         `max_tokens` (`fastest_group_rows`); None before any forward was measured against a device budget."""
-        if self.bytes_per_token is None or self.last_budget is None:
+        if self.bytes_per_token is None or self.plain_bytes_per_token is None or self.last_budget is None:
             return None
         return length * fastest_group_rows(sequences, length, max_tokens, self.layer_count, self.plan_for)
 

@@ -38,8 +38,9 @@ from collections.abc import Callable
 import torch
 
 from ..device_memory import device_budget
-from ..ops.gated_product import gated_product
-from .checkpoint import _autocast_state, _force_grad_leaf, is_recomputing, restored_autocast
+from ..ops.gated_product import can_run_gated, gated_product
+from ..ops.autocast_state import autocast_state, restored_autocast
+from .checkpoint import _force_grad_leaf, is_recomputing
 from .memory_plan import in_kept_layer
 
 MLP_WORKING_TENSORS = 8
@@ -93,7 +94,7 @@ class _TiledMLP(torch.autograd.Function):
     def forward(ctx, mlp_forward: Callable, tile_tokens: int, output_unused: bool, grad_path: bool,
                 _force_grad: torch.Tensor, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.mlp_forward, ctx.tile_tokens = mlp_forward, tile_tokens
-        ctx.autocast = _autocast_state()
+        ctx.autocast = autocast_state()
         ctx.x_requires_grad = x.requires_grad
         ctx.save_for_backward(x, *params)
         if output_unused:
@@ -129,7 +130,9 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def kept_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A gated MLP in a kept layer: its module's own computation, with the gated product saving only gate and up."""
+    """A gated MLP in a kept layer: the modeling code's computation (`down(act(gate(x)) * up(x))`, in eager torch
+    even where Liger's fused SwiGLU is installed: its product is not one the hooks can rebuild), with the gated
+    product saving only gate and up."""
     return mlp.down_proj(gated_product(mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
 
 
@@ -160,7 +163,8 @@ class TiledMLPForward:
         if torch.is_inference_mode_enabled():
             return self.original(x)
         if in_kept_layer():  # a layer the memory plan keeps whole: tiles would only add recompute
-            return kept_mlp_forward(self.module, x) if torch.is_grad_enabled() else self.original(x)
+            lean = torch.is_grad_enabled() and can_run_gated(self.module.act_fn)
+            return kept_mlp_forward(self.module, x) if lean else self.original(x)
         if self.tile_tokens is None or self._dropout_active():
             return self.original(x)
         grad = torch.is_grad_enabled()

@@ -9,8 +9,9 @@ the forecast and the run cannot disagree on policy, only on bytes. Per token, on
 Linear modules stored in 4 bits save no copy of their input (bitsandbytes recomputes from the weight), which
 removes one hidden state per shared input and the attention-output and MLP-product inputs.
 Recomputing a checkpointed layer in the backward pass takes twice its saved activations (the activations and their
-gradients), over one MLP tile only where the MLP is tiled. Calibrated on the Llama-3.1-8B and Gemma-2-9B bench
-shapes (H200): NORM_STATES is the only fitted number.
+gradients), over one MLP tile only where the MLP is tiled. The automatic plan reserves one layer's plain activations
+(`PLAIN_EXTRA_STATES` more) for a layer's backward. Calibrated on the Llama-3.1-8B and Gemma-2-9B bench shapes
+(H200): NORM_STATES and PLAIN_EXTRA_STATES are fitted; the kept layer's count below is not.
 A layer whose activations the plan keeps stores each value once (`offload.lean_activations`), counted from its
 parts (`kept_layer_states`): each norm's saved input (`KEPT_NORM_STATES`), one copy of each of the three linear
 inputs (attention, attention output, MLP), the query, key, value and attention output, and the MLP's gate and up.
@@ -39,6 +40,9 @@ NORM_STATES = 2.25
 # (gemma's `1 + weight` form) an fp32 copy of its input and its fp32 normalised value.
 KEPT_NORM_STATES = {True: 1, False: 4}
 KEPT_LINEAR_INPUTS = 3  # the attention's, the attention output's and the MLP's input, one copy each
+# A layer's backward working set (what plain autograd stores for it: the planner reserves it) holds these more than
+# `layer_states` (its input and its lean norms' fp32 output); fitted with NORM_STATES.
+PLAIN_EXTRA_STATES = 4
 ACTIVATION_BYTES = 2  # bf16
 # Device memory outside torch's allocator (CUDA context, cuBLAS workspaces): not free for the planner.
 CONTEXT_BYTES = 512 * 2**20
@@ -121,6 +125,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
     kept_per_token = kept_layer_states(spec) * unit
+    working_per_token = (attention + mlp + PLAIN_EXTRA_STATES) * unit
     allocated = static_bytes + adapter_grads
     under_ceiling = None if ceiling_bytes is None else ceiling_bytes - CONTEXT_BYTES - allocated
     free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes)
@@ -130,9 +135,10 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     def plan_for(group_tokens: int) -> LayerPlan:
         layer = int(kept_per_token * group_tokens)
+        working = int(working_per_token * group_tokens)
         head = head_bytes(group_tokens)
         return plan_forward(spec.layers, layer, group_tokens * unit, head, free, allocated, margin,
-                            first_layer_fits(free, margin, head, layer), True, group_tokens)
+                            first_layer_fits(free, margin, head, layer, working), True, group_tokens, working)
 
     first_plan = plan_for(tokens)
     plan, steady_rows, steady_groups = first_plan, rows, groups

@@ -13,7 +13,7 @@ import torch
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader
 from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, memory_planner
-from trl_turbo.offload.memory_plan import LayerPlan, counting_saved_bytes, describe_plan, plan_layers
+from trl_turbo.offload.memory_plan import LayerPlan, describe_plan, plan_layers
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
@@ -75,7 +75,9 @@ def test_predicted_peak_counts_what_the_layers_keep():
 def test_saved_bytes_are_counted_once_per_storage_without_parameters():
     weight = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8, requires_grad=True)
-    with counting_saved_bytes({weight.untyped_storage().data_ptr()}) as counted:
+    from trl_turbo.offload.lean_activations import lean_saved_tensors
+
+    with lean_saved_tensors({weight.untyped_storage().data_ptr()}) as counted:
         hidden = x @ weight  # saves x and the weight (excluded)
         (hidden * hidden).sum()  # saves `hidden` twice: one storage
     assert counted[0] == x.nbytes + hidden.nbytes
@@ -203,8 +205,8 @@ def _layer_plans(layer_count, bytes_per_token, spendable_bytes):
     from trl_turbo.offload.memory_plan import plan_forward
 
     def plan_for(tokens):
-        return plan_forward(layer_count, int(bytes_per_token * tokens), 0, 0, spendable_bytes, 0, 0, True, False,
-                            tokens)
+        layer = int(bytes_per_token * tokens)  # a layer's backward working set: the same bytes
+        return plan_forward(layer_count, layer, 0, 0, spendable_bytes, 0, 0, True, False, tokens, layer)
 
     return plan_for
 
@@ -336,23 +338,23 @@ def test_gpu_prediction_holds_and_a_wrong_one_replans(monkeypatch):
     # measurement that under-counts 4x: too many layers kept
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    margin = memory_plan.reserve_margin(total)
+    margin = memory_plan.spendable(free, 0, total)[1]  # the planner's margin under a ceiling
     room = margin + 6 * honest.layer_bytes + memory_plan.HEAD_HIDDEN_STATES * 4 * honest.input_bytes // 2
     planner.ceiling = lambda: (total - free) + room
-    real_counting = memory_plan.counting_saved_bytes
+    real_counting = memory_plan.lean_saved_tensors
 
     @contextlib.contextmanager
-    def undercounting(excluded):
+    def undercounting(excluded=None):
         with real_counting(excluded) as counted:
             yield counted
         counted[0] //= 4
 
-    monkeypatch.setattr(memory_plan, "counting_saved_bytes", undercounting)
+    monkeypatch.setattr(memory_plan, "lean_saved_tensors", undercounting)
     wrong, wrong_peak = step()
     assert wrong.kept_layers > 4
     message = planner.observe_peak([wrong], wrong_peak)
     assert message is not None and "exceeded the prediction" in message and planner.extra_reserve_bytes > 0
-    monkeypatch.setattr(memory_plan, "counting_saved_bytes", real_counting)
+    monkeypatch.setattr(memory_plan, "lean_saved_tensors", real_counting)
     replanned, replanned_peak = step()
     assert replanned.kept_layers < wrong.kept_layers  # the widened reserve keeps fewer layers
     assert replanned_peak < wrong_peak

@@ -121,8 +121,7 @@ class KeptLayerSaver:
 
     def __init__(self, excluded_storages: set[int] | None = None) -> None:
         self.excluded = excluded_storages or set()
-        self.copies: dict[tuple, _Stored] = {}
-        self.sources: list[object] = []  # keeps the source nodes (the copies' keys hold their ids) alive
+        self.copies: dict[tuple, _Stored] = {}  # keyed by the source node itself, which the key keeps alive
         self.sizes: dict[int, int] = {}  # what is stored, per storage
         self.plain_sizes: dict[int, int] = {}  # what plain autograd would store, per storage
 
@@ -137,11 +136,10 @@ class KeptLayerSaver:
                 return _Rebuilt(node, *geometry)
         stored = _Stored(tensor.detach(), tensor._version)
         if source is not None and source[2] > 0:  # a copy: stored once per source, dtype, device and geometry
-            key = (id(node), output_nr, *geometry)
+            key = (node, output_nr, *geometry)
             if key in self.copies:
                 return self.copies[key]
             self.copies[key] = stored
-            self.sources.append(node)
         self._count(tensor, self.sizes)
         return stored
 
@@ -169,4 +167,3 @@ def lean_saved_tensors(excluded_storages: set[int] | None = None) -> Iterator[li
     finally:
         totals[:] = [sum(saver.sizes.values()), sum(saver.plain_sizes.values())]
         saver.copies.clear()
-        saver.sources.clear()

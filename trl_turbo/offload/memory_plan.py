@@ -158,26 +158,38 @@ def spendable(free_bytes: int, free_under_ceiling: int | None, total_bytes: int,
 
 
 def first_layer_fits(free_bytes: int, margin_bytes: int, head_bytes: int, estimate_bytes: int,
-                     working_bytes: int | None = None) -> bool:
+                     working_bytes: int) -> bool:
     """Whether the first layer may keep its activations: kept, it costs them now (`estimate_bytes`) and a layer's
-    backward working set (`working_bytes`, default the same) stays reserved for the backward pass."""
-    working = estimate_bytes if working_bytes is None else working_bytes
-    return free_bytes - margin_bytes - head_bytes - estimate_bytes - working >= 0
+    backward working set (`working_bytes`) stays reserved for the backward pass."""
+    return free_bytes - margin_bytes - head_bytes - estimate_bytes - working_bytes >= 0
 
 
 def plan_forward(layer_count: int, layer_bytes: int, input_bytes: int, head_bytes: int, free_bytes: int,
                  allocated_bytes: int, margin_bytes: int, first_kept: bool, can_offload: bool,
-                 tokens: int, working_bytes: int | None = None) -> LayerPlan:
+                 tokens: int, working_bytes: int) -> LayerPlan:
     """The plan of a forward's layers after the first, from the budget read before the first layer ran (what it
     keeps is spent from `free_bytes`), one kept layer's activation bytes and one layer's backward working set
-    (`working_bytes`: what plain autograd stores for it, recomputed or kept; default `layer_bytes`)."""
+    (`working_bytes`: what plain autograd stores for it, recomputed or kept)."""
     first_bytes = layer_bytes if first_kept else (0 if can_offload else input_bytes)
-    working = (layer_bytes if working_bytes is None else working_bytes) + head_bytes  # one layer's, the head's
+    working = working_bytes + head_bytes  # after the layers: one layer's backward or recompute, the head's
     available = free_bytes - first_bytes - working - margin_bytes
     return dataclasses.replace(
         plan_layers(layer_count - 1, layer_bytes, input_bytes, available, can_offload,
                     allocated_bytes=allocated_bytes + first_bytes + working),
         tokens=tokens, spendable_bytes=free_bytes - margin_bytes, first_kept=first_kept)
+
+
+def plan_tokens(layer_count: int, tokens: int, layer_per_token: float, working_per_token: float,
+                input_per_token: int, head_per_token: int, free_bytes: int, allocated_bytes: int, margin_bytes: int,
+                can_offload: bool) -> LayerPlan:
+    """`plan_forward` for a forward of `tokens` tokens from per-token bytes (a kept layer's, a layer's backward
+    working set, a layer input, the head), its first layer kept where that fits: how the planner prices a group size
+    from its last measurement, and how the forecast plans from its predictions."""
+    layer, working = int(layer_per_token * tokens), int(working_per_token * tokens)
+    head = head_per_token * tokens
+    first_kept = first_layer_fits(free_bytes, margin_bytes, head, layer, working)
+    return plan_forward(layer_count, layer, input_per_token * tokens, head, free_bytes, allocated_bytes, margin_bytes,
+                        first_kept, can_offload, tokens, working)
 
 
 def group_token_cost(tokens: int) -> float:
@@ -219,13 +231,6 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
         if cost < best_cost - 1e-9:
             best_rows, best_cost = rows, cost
     return best_rows
-
-
-def counting_saved_bytes(excluded_storages: set[int]) -> contextlib.AbstractContextManager[list[int]]:
-    """Within the block, autograd stores a kept layer's activations as `lean_activations` does and adds up the bytes
-    of the distinct storages it stores (those in `excluded_storages`, the parameters, not counted); when the block
-    ends the yielded list holds that total and what plain autograd would have stored."""
-    return lean_saved_tensors(excluded_storages)
 
 
 @dataclass
@@ -288,7 +293,7 @@ class MemoryPlanner:
         first_kept = budget is None or first_layer_fits(free, margin, head_bytes, estimate, working)
         if first_kept:
             storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
-            with counting_saved_bytes(storages) as counted, kept_layer():
+            with lean_saved_tensors(storages) as counted, kept_layer():  # also counts what plain autograd stores
                 output = function(*args)
             layer_bytes, working = counted
             self.bytes_per_token, self.plain_bytes_per_token = layer_bytes / tokens, working / tokens
@@ -308,12 +313,9 @@ class MemoryPlanner:
     def plan_for(self, tokens: int) -> LayerPlan:
         """The plan a forward of `tokens` tokens would get from the last budget and measurement."""
         free, allocated, margin = self.last_budget
-        layer_bytes = int(self.bytes_per_token * tokens)
-        working = int(self.plain_bytes_per_token * tokens)
-        head_bytes = tokens * self.head_bytes_per_token
-        first_kept = first_layer_fits(free, margin, head_bytes, layer_bytes, working)
-        return plan_forward(self.layer_count, layer_bytes, tokens * self.input_bytes_per_token, head_bytes, free,
-                            allocated, margin, first_kept, self.can_offload, tokens, working)
+        return plan_tokens(self.layer_count, tokens, self.bytes_per_token, self.plain_bytes_per_token,
+                           self.input_bytes_per_token, self.head_bytes_per_token, free, allocated, margin,
+                           self.can_offload)
 
     def group_tokens(self, sequences: int, length: int, max_tokens: int | None) -> int | None:
         """Tokens per sequence group for a micro-batch of `sequences` x `length` tokens, forwards of at most

@@ -28,8 +28,7 @@ from ..offload.memory_plan import (
     HEAD_HIDDEN_STATES,
     LayerPlan,
     fastest_group_rows,
-    first_layer_fits,
-    plan_forward,
+    plan_tokens,
     spendable,
 )
 from ..offload.tiled_mlp import MLP_WORKING_TENSORS, fitting_tile_tokens
@@ -130,15 +129,11 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     under_ceiling = None if ceiling_bytes is None else ceiling_bytes - CONTEXT_BYTES - allocated
     free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes)
 
-    def head_bytes(group_tokens: int) -> int:
-        return HEAD_HIDDEN_STATES * group_tokens * spec.hidden_size * 4
+    head_per_token = HEAD_HIDDEN_STATES * spec.hidden_size * 4
 
     def plan_for(group_tokens: int) -> LayerPlan:
-        layer = int(kept_per_token * group_tokens)
-        working = int(working_per_token * group_tokens)
-        head = head_bytes(group_tokens)
-        return plan_forward(spec.layers, layer, group_tokens * unit, head, free, allocated, margin,
-                            first_layer_fits(free, margin, head, layer, working), True, group_tokens, working)
+        return plan_tokens(spec.layers, group_tokens, kept_per_token, working_per_token, unit, head_per_token, free,
+                           allocated, margin, True)
 
     first_plan = plan_for(tokens)
     plan, steady_rows, steady_groups = first_plan, rows, groups

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from trl_turbo.bench import __main__ as cli
+from trl_turbo.bench import parse_turbo_overrides
 from trl_turbo.bench import e2e, loss, results, train
 from trl_turbo.planning.shapes import LOSS_PRESETS, SHAPES, build_config
 
@@ -122,6 +123,28 @@ def test_train_forward_token_budget_splits_turbo_micro_batches(tmp_path, monkeyp
     assert groups_seen == [[(0, 2), (2, 4)]]  # turbo only: 4 sequences of 12 tokens in groups of 2; stock unsplit
     with pytest.raises(SystemExit):
         cli.main(["train", "--shape", "tiny", "--forward-token-budget", "0", "--out", str(tmp_path)])
+
+
+def test_train_turbo_set_reaches_the_turbo_trainers_only(monkeypatch):
+    seen = {}
+
+    def recording(model, micro_batch, completion_len, device, output_dir, tis, fields):
+        seen[fields.get("turbo_memory_plan", "stock" if not fields else "auto")] = fields
+        raise RuntimeError("stop after the config")  # recorded by run_length as the row's error
+
+    monkeypatch.setattr(train, "build_trainer", recording)
+    args = type("Args", (), {"micro_batch": 2, "prompt_len": 4, "tis": False, "forward_token_budget": None,
+                             "turbo_set": ["turbo_memory_plan=min", "turbo_training_memory_gib=25"],
+                             "shape": "tiny", "quantization": "none", "steps": 1, "warmup": 0})()
+    for variant in ("stock", "turbo"):
+        row = train.run_length(torch.nn.Linear(1, 1), variant, 8, args, torch.device("cpu"), "unused")
+        assert not row["ok"] and "stop after the config" in row["error"]
+    assert seen["stock"] == train.VARIANT_CONFIG["stock"]
+    assert seen["min"] == {**train.VARIANT_CONFIG["turbo"], "turbo_memory_plan": "min",
+                           "turbo_training_memory_gib": 25}
+    with pytest.raises(SystemExit, match="sets this itself"):
+        cli.main(["train", "--shape", "tiny", "--variants", "turbo-min", "--turbo-set", "turbo_memory_plan=auto",
+                  "--device", "cpu"])
 
 
 @needs_turbo
@@ -368,14 +391,14 @@ def test_cpu_step_child_runs_its_variant(variant):
 
 
 def test_e2e_turbo_set_overrides_the_turbo_variants_only():
-    overrides = e2e.parse_overrides(["turbo_training_memory_gib=48", "turbo_vllm_kv_cache_dtype=fp8"])
+    overrides = parse_turbo_overrides(["turbo_training_memory_gib=48", "turbo_vllm_kv_cache_dtype=fp8"])
     assert overrides == {"turbo_training_memory_gib": 48, "turbo_vllm_kv_cache_dtype": "fp8"}
     assert e2e.variant_config("stock", overrides) == e2e.VARIANT_CONFIG["stock"]
     turbo = e2e.variant_config("turbo-min", overrides)
     assert turbo == {**e2e.VARIANT_CONFIG["turbo-min"], **overrides}
     for bad in ("learning_rate=1", "turbo_training_memory_gib", "nonsense=2"):
         with pytest.raises(SystemExit, match="--turbo-set"):
-            e2e.parse_overrides([bad])
+            parse_turbo_overrides([bad])
 
 
 def test_e2e_turbo_set_refuses_what_a_variant_sets_itself():

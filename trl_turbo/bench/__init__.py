@@ -9,8 +9,11 @@ benchmarks share; results are written by :mod:`.results`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
+import json
+from typing import Any
 
 import torch
 
@@ -74,3 +77,21 @@ def set_patched(enabled: bool) -> None:
     if trl_turbo.is_patched() != enabled:
         switch = "patch" if enabled else "unpatch"
         raise RuntimeError(f"trl_turbo.{switch}() did not take effect (unsupported versions?)")
+
+
+def parse_turbo_overrides(items: list[str]) -> dict[str, Any]:
+    """`--turbo-set FIELD=VALUE` items as GRPOConfig fields (VALUE read as JSON where it parses, else a string);
+    SystemExit for a field trl_turbo does not add."""
+    from ..config import TurboFields
+
+    known = {f.name for f in dataclasses.fields(TurboFields)}
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in known:
+            raise SystemExit(f"--turbo-set takes FIELD=VALUE with a trl_turbo field, got {item!r}")
+        try:
+            overrides[name] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[name] = text
+    return overrides

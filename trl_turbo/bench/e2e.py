@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..device_memory import cap_process_memory
+from . import parse_turbo_overrides
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from .results import DEFAULT_RESULTS_DIR, GIB
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
@@ -440,7 +441,7 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
-    overrides = parse_overrides(args.turbo_set)
+    overrides = parse_turbo_overrides(args.turbo_set)
     for variant in variants:
         clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
         if clash and variant != "stock":
@@ -499,24 +500,6 @@ def run(args: argparse.Namespace) -> Path:
     print(json.dumps(meta["scaling"], indent=1))
     print(f"wrote {path} (+ .png)")
     return path
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`--turbo-set FIELD=VALUE` items as GRPOConfig fields (VALUE read as JSON where it parses, else a string);
-    SystemExit for a field trl_turbo does not add."""
-    from ..config import TurboFields
-
-    known = {f.name for f in dataclasses.fields(TurboFields)}
-    overrides: dict[str, Any] = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        if not sep or name not in known:
-            raise SystemExit(f"--turbo-set takes FIELD=VALUE with a trl_turbo field, got {item!r}")
-        try:
-            overrides[name] = json.loads(text)
-        except json.JSONDecodeError:
-            overrides[name] = text
-    return overrides
 
 
 def variant_config(variant: str, overrides: dict[str, Any]) -> dict[str, Any]:

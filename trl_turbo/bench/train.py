@@ -28,6 +28,7 @@ from . import (
     free_memory,
     memory_allocated,
     parse_lengths,
+    parse_turbo_overrides,
     peak_allocated,
     reset_peak,
     resolve_device,
@@ -50,12 +51,16 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
 VARIANTS = tuple(VARIANT_CONFIG)
 
 
-def variant_config(variant: str, forward_token_budget: int | None = None) -> dict[str, Any]:
+def variant_config(variant: str, forward_token_budget: int | None = None,
+                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The GRPOConfig fields `variant` adds; a `forward_token_budget` splits the turbo variants' micro-batches into
-    sequence groups of at most that many tokens (stock has no such field)."""
+    sequence groups of at most that many tokens, and `overrides` (`--turbo-set`) go to the turbo variants too (stock
+    has no such fields)."""
     config = dict(VARIANT_CONFIG[variant])
-    if forward_token_budget is not None and variant != "stock":
-        config["turbo_forward_token_budget"] = forward_token_budget
+    if variant != "stock":
+        if forward_token_budget is not None:
+            config["turbo_forward_token_budget"] = forward_token_budget
+        config.update(overrides or {})
     return config
 
 
@@ -252,8 +257,8 @@ def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: 
         "tokens_per_s": None,
     }
     try:
-        trainer = build_trainer(model, args.micro_batch, completion_len, device, output_dir, args.tis,
-                                variant_config(variant, args.forward_token_budget))
+        fields = variant_config(variant, args.forward_token_budget, parse_turbo_overrides(args.turbo_set))
+        trainer = build_trainer(model, args.micro_batch, completion_len, device, output_dir, args.tis, fields)
         inputs = synthetic_inputs(args.micro_batch, args.prompt_len, completion_len, SHAPES[args.shape]["vocab_size"],
                                   device, args.tis)
         row["old_logps_pass"] = args.tis and (variant == "stock" or turbo_needs_old_logps_pass(trainer))
@@ -284,6 +289,11 @@ def run(args: argparse.Namespace) -> Path:
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     variants.sort(key=VARIANTS.index)  # stock first: it runs with the patches removed
+    overrides = parse_turbo_overrides(args.turbo_set)
+    for variant in variants:
+        clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
+        if clash and variant != "stock":
+            raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
     config = {
         "shape": args.shape,
         "model_config": SHAPES[args.shape],
@@ -293,6 +303,7 @@ def run(args: argparse.Namespace) -> Path:
         "variants": variants,
         "tis": args.tis,
         "forward_token_budget": args.forward_token_budget,
+        "turbo_set": overrides,
         "steps": args.steps,
         "warmup": args.warmup,
         "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"},
@@ -360,6 +371,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="nf4: QLoRA (bitsandbytes 4-bit NF4, double quantization, bf16 compute)")
     parser.add_argument("--forward-token-budget", type=_positive_int, default=None,
                         help="turbo variants: sequence groups of at most this many tokens (turbo_forward_token_budget)")
+    parser.add_argument("--turbo-set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a trl_turbo GRPOConfig field for the turbo variants (repeatable), e.g. "
+                             "turbo_training_memory_gib=25")
     parser.add_argument("--steps", type=int, default=1, help="timed micro-steps after the warm-up (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (0 for longest-length probes)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

@@ -52,11 +52,15 @@ def test_training_peaks_match_every_current_bench_train_row():
             if MODES[row["variant"]] == "auto" and result["date"] < AUTO_CURRENT_FROM:
                 continue
             quantized = row["quantization"] == "nf4"
+            turbo_set = result["config"].get("turbo_set") or {}  # `bench train --turbo-set` fields
+            ceiling = turbo_set.get("turbo_training_memory_gib")
             forecast = forecast_training(
                 spec, MicroBatch(row["micro_batch"], row["prompt_len"] + row["completion_len"]),
                 mode=MODES[row["variant"]], capacity_bytes=CAPACITY[result["gpu"]],
                 static_bytes=spec.weight_bytes(quantized) + 4 * spec.lora_parameters, quantized_4bit=quantized,
-                forward_token_budget=result["config"].get("forward_token_budget") or 32768)
+                forward_token_budget=result["config"].get("forward_token_budget") or 32768,
+                tiled_mlp_tokens=turbo_set.get("turbo_tiled_mlp_tokens", 16384),
+                ceiling_bytes=None if ceiling is None else int(ceiling * 2**30))
             error = forecast.peak_bytes / 2**30 / row["peak_gib"] - 1
             checked += 1
             auto += MODES[row["variant"]] == "auto"

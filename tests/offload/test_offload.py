@@ -519,6 +519,44 @@ def test_liger_layers_install_under_tiles_and_undo():
         trl_turbo.patch()
 
 
+def _mlp_tokens_per_step(model, ids, runtime):
+    passes = []
+    for layer in model.model.layers:
+        forward = layer.mlp.forward
+        real = forward.original
+
+        def counting(x, real=real):
+            passes.append(x.numel() // x.shape[-1])
+            return real(x)
+
+        forward.original = counting
+    loss, grads = checkpointed_grads(model, ids, runtime=runtime, checkpointing=True)
+    return sum(passes) / (ids.numel() * len(model.model.layers)), loss, grads
+
+
+@pytest.mark.parametrize("free_tokens", [None, 10_000, 30])
+def test_under_auto_a_post_norm_mlp_runs_untiled_where_it_fits(free_tokens):
+    """Gemma-2's post-feedforward norm needs the MLP's output in the recompute, so a tiled MLP runs three passes per
+    token; under the "auto" plan it runs untiled (two passes, as stock) wherever its working set fits, and tiles
+    where it does not."""
+    ids = token_batch(batch=2, length=24)
+    stock_loss, stock = checkpointed_grads(decoder_model("gemma2"), ids, checkpointing=True)
+    counts = {}
+    for untile in (False, True):
+        model = decoder_model("gemma2")
+        install_tiled_mlp(model, 7, untile_post_norm=untile)
+        for layer in model.model.layers:
+            if free_tokens is not None:  # a device with room for this many tokens' working set
+                forward = layer.mlp.forward
+                forward.free_bytes = lambda device, f=forward: 2 * free_tokens * 8 * f.intermediate_size * 4
+        counts[untile], loss, grads = _mlp_tokens_per_step(model, ids, CheckpointingRuntime(None))
+        torch.testing.assert_close(loss, stock_loss, rtol=1e-6, atol=1e-7)
+        for name in stock:
+            torch.testing.assert_close(grads[name], stock[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert counts[False] == 3.0
+    assert counts[True] == (2.0 if free_tokens != 30 else 3.0)  # 48 tokens do not fit a room of 30: tiled
+
+
 def test_tiles_shrink_to_what_the_device_has_free():
     from trl_turbo.offload.tiled_mlp import MIN_TILE_TOKENS, fitting_tile_tokens
 

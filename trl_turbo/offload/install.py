@@ -125,18 +125,20 @@ def _install_norm_forward(model: torch.nn.Module, forward_cls: type) -> int:
     return len(norms)
 
 
-def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None) -> int:
+def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None, untile_post_norm: bool = False) -> int:
     """Tile every dense gated MLP of `model`'s decoder layers (`tile_tokens=None`: only the kept layers' lean gated
-    product; idempotent; `trl_turbo.unpatch()` undoes it)."""
+    product; `untile_post_norm`: MLPs followed by a norm run untiled where that fits, see `offload.tiled_mlp`;
+    idempotent; `trl_turbo.unpatch()` undoes it)."""
     mlps = _gated_mlps(model)
     for layer, mlp in mlps:
         current = mlp.__dict__.get("forward")
         if isinstance(current, TiledMLPForward):
-            current.tile_tokens = tile_tokens
+            current.tile_tokens, current.untile_post_norm = tile_tokens, untile_post_norm
         else:
             feeds_residual = not hasattr(layer, "post_feedforward_layernorm")
             # Wraps whatever forward the MLP has now (Liger's, when installed first)
-            registry.replace_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual), weak=True)
+            registry.replace_attr(mlp, "forward", TiledMLPForward(mlp, tile_tokens, feeds_residual,
+                                                                  untile_post_norm=untile_post_norm), weak=True)
     return len(mlps)
 
 

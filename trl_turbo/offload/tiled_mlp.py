@@ -14,7 +14,10 @@ because bitsandbytes picks a differently-rounding kernel for no-grad calls.
 Under trl_turbo's gradient checkpointing, the layer's recompute (`is_recomputing()`) only builds the graph for the
 backward pass; its output values are never read. Where the MLP output feeds the residual sum directly (no norm after
 it), the tiled MLP then skips its forward computation. The MLP runs forward twice per step, as with plain
-checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) compute it.
+checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) compute it, so tiling costs them a third
+MLP pass (1.20x a Gemma-2-9B step under "min"). Under the "auto" memory plan (`untile_post_norm`), whose reserve holds
+one layer's untiled backward working set, such an MLP therefore runs untiled wherever its whole working set fits in
+the free share below; tiles remain for what does not fit, and for every MLP under "min".
 
 In a layer whose activations the memory plan keeps (`memory_plan.in_kept_layer`) the MLP runs untiled: there is no
 recompute whose working set tiling would bound. It runs its gated product through `ops.gated_product` there, so the
@@ -142,11 +145,13 @@ class TiledMLPForward:
     layers' lean product)."""
 
     def __init__(self, module: torch.nn.Module, tile_tokens: int | None, output_feeds_residual: bool,
-                 free_bytes: Callable[[torch.device], int | None] = free_device_bytes) -> None:
+                 free_bytes: Callable[[torch.device], int | None] = free_device_bytes,
+                 untile_post_norm: bool = False) -> None:
         self.module = module
         self.original = module.forward
         self.tile_tokens = tile_tokens
         self.output_feeds_residual = output_feeds_residual
+        self.untile_post_norm = untile_post_norm  # see the module docstring: only where tiles cost a third pass
         self.free_bytes = free_bytes
         gate = getattr(module, "gate_proj", None) or getattr(module, "up_proj", None)
         self.intermediate_size = getattr(gate, "out_features", 0)
@@ -169,8 +174,12 @@ class TiledMLPForward:
             return self.original(x)
         grad = torch.is_grad_enabled()
         tile_tokens = self.tile_tokens if grad else tokens  # without autograd only a short device needs tiles
+        per_token = MLP_WORKING_TENSORS * self.intermediate_size * x.element_size()
+        if grad and self.untile_post_norm and not self.output_feeds_residual:
+            free = self.free_bytes(x.device)
+            if free is None or tokens * per_token <= TILE_FREE_SHARE * free:
+                return self.original(x)
         if tokens > MIN_TILE_TOKENS:
-            per_token = MLP_WORKING_TENSORS * self.intermediate_size * x.element_size()
             tile_tokens = fitting_tile_tokens(tile_tokens, tokens, per_token, self.free_bytes(x.device))
         if tokens <= tile_tokens:
             return self.original(x)

@@ -239,19 +239,6 @@ def test_a_tight_budget_buys_smaller_groups_that_keep_more_layers():
     assert (16 // -(-16 // rows)) * 1500 >= memory_plan.MIN_PLANNED_GROUP_TOKENS
 
 
-def test_a_split_that_still_recomputes_is_not_planned():
-    """Groups pay their measured cost only when they keep every layer; a split that keeps some layers and recomputes
-    the rest ran 1.23x slower than no split on the GPU, so the planner stays with the fewest groups then."""
-    from trl_turbo.offload import memory_plan
-
-    # room for half the layers at 2 sequences of 2304 tokens, for 3 at the whole micro-batch of 8
-    plan_for = _layer_plans(32, 1000, 17 * 1000 * 2 * 2304)
-    assert plan_for(2 * 2304).kept_layers == 16 and plan_for(8 * 2304).kept_layers == 3
-    assert memory_plan.plan_cost(plan_for(2 * 2304), 32) < memory_plan.plan_cost(plan_for(8 * 2304), 32)  # the model
-    assert memory_plan.fastest_group_rows(8, 2304, None, 32, plan_for) == 8
-    assert memory_plan.fastest_group_rows(8, 2304, 3 * 2304, 32, plan_for) == 3  # the token budget's split stays
-
-
 def test_the_group_cost_table_interpolates_in_log_tokens():
     from trl_turbo.offload.memory_plan import GROUP_TOKEN_COSTS, group_token_cost
 

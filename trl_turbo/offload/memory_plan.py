@@ -216,12 +216,8 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
     """Sequences in the largest group of the split of a micro-batch of `sequences` x `length` tokens (forwards of at
     most `max_tokens`, None: unlimited) with the lowest `plan_cost`; `plan_for(tokens)` plans a forward of that many
     tokens. Each number of groups `grpo.sequence_groups` can run is priced as it runs: memory by its largest group,
-    time by its mean one. Splits finer than the fewest groups are considered only where their groups keep every
-    layer (`GROUP_TOKEN_COSTS` was measured so; a split that still recomputes costs far more than the model says:
-    8 x 2304 tokens under a 25 GiB ceiling, groups of two keeping about half the layers took 2.95 s against 2.39 s
-    for no split recomputing every layer, train-llama-3.1-8b-20261126-094219), nor where their smallest group is
-    under `MIN_PLANNED_GROUP_TOKENS` (the fewest groups the token budget allows always are); ties go to fewer
-    groups."""
+    time by its mean one. Splits whose smallest group is under `MIN_PLANNED_GROUP_TOKENS` are not considered (the
+    fewest groups the token budget allows always are); ties go to fewer groups."""
     largest = sequences if max_tokens is None else max(1, min(sequences, max_tokens // length))
     fewest = -(-sequences // largest)
     best_rows, best_cost = -(-sequences // fewest), math.inf
@@ -231,10 +227,7 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
             continue  # the split runs these groups as fewer ones of the same size, priced at that count
         if count > fewest and (sequences // count) * length < MIN_PLANNED_GROUP_TOKENS:
             break
-        plan = plan_for(rows * length)
-        if count > fewest and plan.kept_layers < layer_count:
-            continue
-        cost = plan_cost(plan, layer_count, sequences * length / count)
+        cost = plan_cost(plan_for(rows * length), layer_count, sequences * length / count)
         if cost < best_cost - 1e-9:
             best_rows, best_cost = rows, cost
     return best_rows

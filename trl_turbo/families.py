@@ -18,6 +18,7 @@ class Family:
     llama_norm: str | None  # an RMSNorm computing weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype):
     # lean norms and Liger's RMSNorm/SwiGLU apply (gemma's `1 + weight` form is not one)
     vllm_layout: bool = True  # vLLM stores each HF weight as rows of one tensor: the base weights can be shared
+    post_mlp_norm: bool = False  # a norm follows the MLP: a checkpointed layer's recompute needs the MLP's output
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -26,13 +27,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm"),
     Family("qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm"),
     Family("gemma", "GemmaDecoderLayer", None),
-    Family("gemma2", "Gemma2DecoderLayer", None),
-    Family("gemma3_text", "Gemma3DecoderLayer", None),
+    Family("gemma2", "Gemma2DecoderLayer", None, post_mlp_norm=True),
+    Family("gemma3_text", "Gemma3DecoderLayer", None, post_mlp_norm=True),
 )
 
 MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in FAMILIES)
 SHARED_WEIGHT_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in FAMILIES if f.vllm_layout)
 LLAMA_NORM_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in FAMILIES if f.llama_norm)
+POST_MLP_NORM_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in FAMILIES if f.post_mlp_norm)
 DECODER_LAYER_CLASSES: frozenset[str] = frozenset(f.decoder_layer for f in FAMILIES)
 LLAMA_NORM_CLASSES: frozenset[str] = frozenset(f.llama_norm for f in FAMILIES if f.llama_norm)
 

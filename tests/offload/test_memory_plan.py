@@ -239,6 +239,28 @@ def test_a_tight_budget_buys_smaller_groups_that_keep_more_layers():
     assert (16 // -(-16 // rows)) * 1500 >= memory_plan.MIN_PLANNED_GROUP_TOKENS
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_post_mlp_norm_layer_reserves_twice_its_plain_bytes_for_its_recompute(arch):
+    """Under "auto" a Gemma-2 layer's recompute runs its MLP untiled (its output feeds the post-MLP norm) and holds
+    the activations and their gradients at once: the planner reserves twice what plain autograd stores for it."""
+    from trl_turbo.offload import memory_plan
+
+    ids = token_batch()
+    plain = {}
+    for untiled in (False, True):
+        model = decoder_model(arch, layers=3)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        planner = memory_planner(model, can_offload=False)
+        assert planner.untiled_recompute is (arch == "gemma2")
+        planner.untiled_recompute = untiled
+        planner.budget = lambda device: (1 << 40, 0, FAKE_CAPACITY)
+        install_runtime(model, CheckpointingRuntime(None, planner))
+        _grads(model, ids)
+        plain[untiled] = planner.plain_bytes_per_token
+    assert plain[True] == pytest.approx(2 * plain[False])
+    assert memory_plan.recompute_working_factor(True) == 2 and memory_plan.recompute_working_factor(False) == 1
+
+
 def test_the_group_cost_table_interpolates_in_log_tokens():
     from trl_turbo.offload.memory_plan import GROUP_TOKEN_COSTS, group_token_cost
 

@@ -81,7 +81,11 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
         live = model_ref()
         return live.parameters() if live is not None else iter(())
 
-    return MemoryPlanner(layer_count=len(_decoder_layers(model)), parameters=parameters, can_offload=can_offload)
+    layers = _decoder_layers(model)
+    # the tiled MLP runs a post-MLP-norm layer's recompute untiled under "auto" (`offload.tiled_mlp`)
+    untiled = any(hasattr(layer, "post_feedforward_layernorm") for layer in layers)
+    return MemoryPlanner(layer_count=len(layers), parameters=parameters, can_offload=can_offload,
+                         untiled_recompute=untiled)
 
 
 def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..families import LLAMA_NORM_MODEL_TYPES
+from ..families import LLAMA_NORM_MODEL_TYPES, POST_MLP_NORM_MODEL_TYPES
 from ..grpo.sequence_groups import group_count
 from ..offload.memory_plan import (
     HEAD_HIDDEN_STATES,
     LayerPlan,
     fastest_group_rows,
     plan_tokens,
+    recompute_working_factor,
     spendable,
 )
 from ..offload.tiled_mlp import MLP_WORKING_TENSORS, fitting_tile_tokens
@@ -124,7 +125,8 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
     kept_per_token = kept_layer_states(spec) * unit
-    working_per_token = (attention + mlp + PLAIN_EXTRA_STATES) * unit
+    working_per_token = ((attention + mlp + PLAIN_EXTRA_STATES) * unit
+                         * recompute_working_factor(spec.model_type in POST_MLP_NORM_MODEL_TYPES))
     allocated = static_bytes + adapter_grads
     under_ceiling = None if ceiling_bytes is None else ceiling_bytes - CONTEXT_BYTES - allocated
     free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes)

@@ -118,10 +118,10 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         tiled_mlp_tokens, tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES, room)
     recompute = int(2 * (attention * tokens + mlp * min(tokens, tile)) * unit)
     input_bytes = tokens * unit
+    frugal_peak = static_bytes + adapter_grads + 2 * input_bytes + recompute
     if mode == "min":
-        peak = static_bytes + adapter_grads + 2 * input_bytes + recompute
         host = (spec.layers - 1) * input_bytes
-        return TrainingForecast(mode, peak, peak, rows, groups, None, host)
+        return TrainingForecast(mode, frugal_peak, frugal_peak, rows, groups, None, host)
 
     # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
     kept_per_token = kept_layer_states(spec) * unit
@@ -145,5 +145,9 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         steady_rows, steady_groups = token_groups(batch, steady_rows * batch.sequence_tokens)
         plan = plan_for(steady_rows * batch.sequence_tokens)
     host = plan.offloaded * plan.input_bytes
-    return TrainingForecast("auto", plan.predicted_peak_bytes, first_plan.predicted_peak_bytes, steady_rows,
-                            steady_groups, plan, host)
+
+    def peak(layer_plan: LayerPlan) -> int:
+        # keeping nothing (the first layer included) is the frugal plan: "min"'s peak, not the planner's reserve
+        return layer_plan.predicted_peak_bytes if layer_plan.kept_layers else frugal_peak
+
+    return TrainingForecast("auto", peak(plan), peak(first_plan), steady_rows, steady_groups, plan, host)

@@ -542,9 +542,9 @@ def test_under_auto_a_post_norm_mlp_runs_untiled_where_it_fits(free_tokens):
     ids = token_batch(batch=2, length=24)
     stock_loss, stock = checkpointed_grads(decoder_model("gemma2"), ids, checkpointing=True)
     counts = {}
-    for untile in (False, True):
+    for untile in (None, False, True):  # not under "auto"; a plan that keeps no layer; one that keeps some
         model = decoder_model("gemma2")
-        install_tiled_mlp(model, 7, untile_post_norm=untile)
+        install_tiled_mlp(model, 7, untile_post_norm=None if untile is None else (lambda untile=untile: untile))
         for layer in model.model.layers:
             if free_tokens is not None:  # a device with room for this many tokens' working set
                 forward = layer.mlp.forward
@@ -553,8 +553,17 @@ def test_under_auto_a_post_norm_mlp_runs_untiled_where_it_fits(free_tokens):
         torch.testing.assert_close(loss, stock_loss, rtol=1e-6, atol=1e-7)
         for name in stock:
             torch.testing.assert_close(grads[name], stock[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    assert counts[False] == 3.0
+    assert counts[None] == counts[False] == 3.0
     assert counts[True] == (2.0 if free_tokens != 30 else 3.0)  # 48 tokens do not fit a room of 30: tiled
+
+
+def test_an_mlp_feeding_the_residual_stays_tiled_under_auto():
+    """Llama's MLP output feeds the residual sum: its tiles cost no extra pass, so they stay whatever the plan."""
+    for arch, tiled in (("llama", True), ("gemma2", False)):
+        model = decoder_model(arch, layers=1)
+        install_tiled_mlp(model, 7, untile_post_norm=lambda: True)
+        out = model.model.layers[0].mlp(torch.randn(1, 20, model.config.hidden_size, requires_grad=True))
+        assert ("TiledMLP" in type(out.grad_fn).__name__) is tiled, arch
 
 
 def test_tiles_shrink_to_what_the_device_has_free():

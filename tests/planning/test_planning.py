@@ -60,6 +60,7 @@ def test_training_peaks_match_every_current_bench_train_row():
                 continue
             quantized = row["quantization"] == "nf4"
             turbo_set = result["config"].get("turbo_set") or {}  # `bench train --turbo-set` fields
+            assert set(turbo_set) <= {"turbo_training_memory_gib", "turbo_tiled_mlp_tokens"}, turbo_set  # modelled
             ceiling = turbo_set.get("turbo_training_memory_gib")
             forecast = forecast_training(
                 spec, MicroBatch(row["micro_batch"], row["prompt_len"] + row["completion_len"]),

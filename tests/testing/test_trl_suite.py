@@ -1,5 +1,5 @@
 """The TRL-suite harness without TRL's tests or a network: its verdict, its report parsing, its Hub stand-ins (loaded
-through the libraries' offline mode in a fresh process) and the one difference between its two runs (``-p trl_turbo``)."""
+through the libraries' offline mode in a fresh process) and the one difference between its two runs (``-p`` of a module that imports trl_turbo)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,13 @@ def test_two_runs_load_the_standins_offline_and_only_the_second_imports_trl_turb
     assert stock["test_probe::test_trl_turbo_patched"][0] == "failed", logs["stock"]
     assert runs["with_import"]["counts"] == {"passed": 2, "failed": 0, "error": 0, "skipped": 0}, logs["with_import"]
     assert trl_suite.regressions(stock, turbo) == []
+
+
+def test_a_comparison_of_runs_that_did_not_run_is_refused():
+    def run(returncode, passed):
+        return {"returncode": returncode, "counts": {"passed": passed, "failed": 0, "error": 0, "skipped": 0}}
+
+    assert trl_suite.not_run({"stock": run(1, 3), "with_import": run(0, 3)}) == []
+    assert trl_suite.not_run({"stock": run(0, 0), "with_import": run(0, 0)}) == ["stock: no test passed"]
+    assert trl_suite.not_run({"stock": run(1, 3), "with_import": run(2, 0)}) == [
+        "with_import: pytest exited with 2"]  # interrupted or a collection error: not a verdict

@@ -20,7 +20,6 @@ completion tokens per second over all GPUs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

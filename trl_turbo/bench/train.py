@@ -290,6 +290,8 @@ def run(args: argparse.Namespace) -> Path:
         raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     variants.sort(key=VARIANTS.index)  # stock first: it runs with the patches removed
     overrides = parse_turbo_overrides(args.turbo_set)
+    if args.forward_token_budget is not None and "turbo_forward_token_budget" in overrides:
+        raise SystemExit("--forward-token-budget and --turbo-set turbo_forward_token_budget: give one of them")
     for variant in variants:
         clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
         if clash and variant != "stock":

@@ -12,6 +12,7 @@ is `patches.transformers_checkpointing`; the GRPOTrainer side that decides what 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,10 +130,11 @@ def _install_norm_forward(model: torch.nn.Module, forward_cls: type) -> int:
     return len(norms)
 
 
-def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None, untile_post_norm: bool = False) -> int:
+def install_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None,
+                      untile_post_norm: Callable[[], bool] | None = None) -> int:
     """Tile every dense gated MLP of `model`'s decoder layers (`tile_tokens=None`: only the kept layers' lean gated
-    product; `untile_post_norm`: MLPs followed by a norm run untiled where that fits, see `offload.tiled_mlp`;
-    idempotent; `trl_turbo.unpatch()` undoes it)."""
+    product; `untile_post_norm`: while it returns True, MLPs followed by a norm run untiled where that fits, see
+    `offload.tiled_mlp`; idempotent; `trl_turbo.unpatch()` undoes it)."""
     mlps = _gated_mlps(model)
     for layer, mlp in mlps:
         current = mlp.__dict__.get("forward")

@@ -29,8 +29,9 @@ Design decisions:
   an offloader, checkpointed on the device); then as many of the rest on the device as fit; the rest offloaded. Kept
   layers are the last ones, whose activations the backward pass frees first; offloaded ones the first.
 - **A layer's backward working set** is what plain autograd stores for it, as measured; where a norm follows the MLP
-  (`untiled_recompute`), the recompute runs that MLP untiled under "auto" (`offload.tiled_mlp`) and holds its
-  activations and their gradients at once, so twice that is reserved (Gemma-2-9B, 8 x 8448 tokens under a 30 GiB
+  (`untiled_recompute`), the recompute runs that MLP untiled under "auto" where the plan keeps a layer
+  (`offload.tiled_mlp`; a plan that keeps none is the frugal one, tiles included) and holds its activations and their
+  gradients at once, so twice that is reserved (Gemma-2-9B, 8 x 8448 tokens under a 30 GiB
   ceiling: 33.5 GiB measured with the plain reserve, train-gemma2-9b-20261126-102934).
 - **A miss re-plans.** After each micro-step the measured peak is compared with the plan's prediction. An excess is
   added to the reserve of every later plan (a warning names it once), so the run trades speed for memory instead of
@@ -249,7 +250,7 @@ class MemoryPlanner:
     bytes, capacity) for a device; the default reads the CUDA device (tests pass a fake). `ceiling` returns the
     device memory in use the training phase should stay under (with a colocated engine in standby: what its
     generation phase used, so planning never raises the step's peak), or None. Without a CUDA device and no fake,
-    every layer is kept."""
+    every layer keeps what plain autograd stores for it (no hooks: nothing to plan, so nothing is measured)."""
 
     layer_count: int
     parameters: Callable[[], Iterator[torch.Tensor]]
@@ -299,8 +300,15 @@ class MemoryPlanner:
         estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
                     else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
         working = (int(self.plain_bytes_per_token * tokens) if self.plain_bytes_per_token is not None
-                   else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
-        first_kept = budget is None or first_layer_fits(free, margin, head_bytes, estimate, working)
+                   else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes
+                   * recompute_working_factor(self.untiled_recompute))
+        if budget is None:  # no device to plan for: every layer keeps what plain autograd stores, no hooks
+            output = function(*args)
+            plan = LayerPlan(0, 0, self.layer_count - 1, 0, input_bytes, -1, -1, tokens)
+            self.current = plan
+            self.step_plans.append(plan)
+            return output
+        first_kept = first_layer_fits(free, margin, head_bytes, estimate, working)
         if first_kept:
             storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
             with lean_saved_tensors(storages) as counted, kept_layer():  # also counts what plain autograd stores
@@ -311,15 +319,15 @@ class MemoryPlanner:
         else:  # an estimate only: from an earlier measurement, else the prior (then nothing else is kept either)
             output = frugal(function, *args)
             layer_bytes = estimate
-        others = self.layer_count - 1
-        if budget is None:
-            plan = LayerPlan(0, 0, others, layer_bytes, input_bytes, -1, -1, tokens)
-        else:
-            plan = plan_forward(self.layer_count, layer_bytes, input_bytes, head_bytes, free, allocated, margin,
-                                first_kept, self.can_offload, tokens, working)
+        plan = plan_forward(self.layer_count, layer_bytes, input_bytes, head_bytes, free, allocated, margin,
+                            first_kept, self.can_offload, tokens, working)
         self.current = plan
         self.step_plans.append(plan)
         return output
+
+    def keeps_layers(self) -> bool:
+        """Whether the current forward's plan keeps any layer: only then was its untiled recompute reserved."""
+        return self.current is not None and self.current.kept_layers > 0
 
     def plan_for(self, tokens: int) -> LayerPlan:
         """The plan a forward of `tokens` tokens would get from the last budget and measurement."""
@@ -422,6 +430,8 @@ def planned_checkpoint(planner: MemoryPlanner, index: int, offloaded: Callable[.
         if index == 0:
             return planner.run_first_layer(function, args, offloaded if planner.can_offload else on_device)
         mode = planner.mode(index)
+        if mode == "keep" and planner.last_budget is None:  # no device: plain autograd (see `run_first_layer`)
+            return function(*args)
         if mode == "keep":
             with lean_saved_tensors(), kept_layer():
                 return function(*args)

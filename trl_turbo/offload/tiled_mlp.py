@@ -15,9 +15,10 @@ Under trl_turbo's gradient checkpointing, the layer's recompute (`is_recomputing
 backward pass; its output values are never read. Where the MLP output feeds the residual sum directly (no norm after
 it), the tiled MLP then skips its forward computation. The MLP runs forward twice per step, as with plain
 checkpointing, rather than three times. Layers with a post-MLP norm (gemma2/3) compute it, so tiling costs them a third
-MLP pass (1.20x a Gemma-2-9B step under "min"). Under the "auto" memory plan (`untile_post_norm`), whose reserve holds
-one layer's untiled backward working set, such an MLP therefore runs untiled wherever its whole working set fits in
-the free share below; tiles remain for what does not fit, and for every MLP under "min".
+MLP pass (1.20x a Gemma-2-9B step under "min"). Under the "auto" memory plan, whose reserve holds one layer's untiled
+backward working set wherever the plan keeps a layer (`untile_post_norm`, the planner's `keeps_layers`), such an MLP
+therefore runs untiled there if its whole working set fits in the free share below; tiles remain for what does not
+fit, for a plan that keeps nothing and for every MLP under "min".
 
 In a layer whose activations the memory plan keeps (`memory_plan.in_kept_layer`) the MLP runs untiled: there is no
 recompute whose working set tiling would bound. It runs its gated product through `ops.gated_product` there, so the
@@ -146,12 +147,12 @@ class TiledMLPForward:
 
     def __init__(self, module: torch.nn.Module, tile_tokens: int | None, output_feeds_residual: bool,
                  free_bytes: Callable[[torch.device], int | None] = free_device_bytes,
-                 untile_post_norm: bool = False) -> None:
+                 untile_post_norm: Callable[[], bool] | None = None) -> None:
         self.module = module
         self.original = module.forward
         self.tile_tokens = tile_tokens
         self.output_feeds_residual = output_feeds_residual
-        self.untile_post_norm = untile_post_norm  # see the module docstring: only where tiles cost a third pass
+        self.untile_post_norm = untile_post_norm  # when it says so, a post-norm MLP may run untiled (module docstring)
         self.free_bytes = free_bytes
         gate = getattr(module, "gate_proj", None) or getattr(module, "up_proj", None)
         self.intermediate_size = getattr(gate, "out_features", 0)
@@ -175,7 +176,7 @@ class TiledMLPForward:
         grad = torch.is_grad_enabled()
         tile_tokens = self.tile_tokens if grad else tokens  # without autograd only a short device needs tiles
         per_token = MLP_WORKING_TENSORS * self.intermediate_size * x.element_size()
-        if grad and self.untile_post_norm and not self.output_feeds_residual:
+        if grad and not self.output_feeds_residual and self.untile_post_norm is not None and self.untile_post_norm():
             free = self.free_bytes(x.device)
             if free is None or tokens * per_token <= TILE_FREE_SHARE * free:
                 return self.original(x)

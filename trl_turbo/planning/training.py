@@ -112,16 +112,19 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
 
     rows, groups = token_groups(batch, forward_token_budget)
     tokens = rows * batch.sequence_tokens
-    # the tile the MLP runs at (`offload.tiled_mlp`: finer where the device is short of memory; None: untiled)
     room = capacity_bytes - CONTEXT_BYTES - static_bytes - adapter_grads
-    tile = tokens if tiled_mlp_tokens is None else fitting_tile_tokens(
-        tiled_mlp_tokens, tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES, room)
-    recompute = int(2 * (attention * tokens + mlp * min(tokens, tile)) * unit)
-    input_bytes = tokens * unit
-    frugal_peak = static_bytes + adapter_grads + 2 * input_bytes + recompute
+
+    def frugal_peak(forward_tokens: int) -> int:
+        """Every layer checkpointed and offloaded: two layer inputs in flight and one layer's recompute, its MLP over
+        one tile (`offload.tiled_mlp`: finer where the device is short of memory; None: untiled)."""
+        tile = forward_tokens if tiled_mlp_tokens is None else fitting_tile_tokens(
+            tiled_mlp_tokens, forward_tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES, room)
+        recompute = int(2 * (attention * forward_tokens + mlp * min(forward_tokens, tile)) * unit)
+        return static_bytes + adapter_grads + 2 * forward_tokens * unit + recompute
+
     if mode == "min":
-        host = (spec.layers - 1) * input_bytes
-        return TrainingForecast(mode, frugal_peak, frugal_peak, rows, groups, None, host)
+        host = (spec.layers - 1) * tokens * unit
+        return TrainingForecast(mode, frugal_peak(tokens), frugal_peak(tokens), rows, groups, None, host)
 
     # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
     kept_per_token = kept_layer_states(spec) * unit
@@ -147,7 +150,10 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     host = plan.offloaded * plan.input_bytes
 
     def peak(layer_plan: LayerPlan) -> int:
-        # keeping nothing (the first layer included) is the frugal plan: "min"'s peak, not the planner's reserve
-        return layer_plan.predicted_peak_bytes if layer_plan.kept_layers else frugal_peak
+        # keeping nothing (the first layer included) is the frugal plan, its MLPs tiled: "min"'s peak and the inputs
+        # it parks on the device, not the planner's reserve for a kept plan's untiled recompute
+        if layer_plan.kept_layers:
+            return layer_plan.predicted_peak_bytes
+        return frugal_peak(layer_plan.tokens) + layer_plan.on_device * layer_plan.input_bytes
 
     return TrainingForecast("auto", peak(plan), peak(first_plan), steady_rows, steady_groups, plan, host)

@@ -3,11 +3,13 @@
 Design decision: TRL's test code is never part of this repository. It is extracted at run time from a TRL source (a
 git clone or mirror, at ``--ref``) into a temporary directory, beside stand-ins for the Hub repositories the tests load
 (:mod:`trl_turbo.testing.hub_standins`, used through the libraries' offline mode). pytest then runs the same files twice
-in fresh processes of the same environment with the same worker count: once untouched, once with ``-p trl_turbo``
-(pytest imports the package as a plugin before it collects anything, and the import patches TRL, exactly as a user's
-``import trl_turbo`` at the top of a script does). Nothing of trl_turbo is loaded in the stock run. Per-test outcomes
+in fresh processes of the same environment with the same worker count: once untouched, once with ``-p`` naming a
+one-line module that does ``import trl_turbo`` (pytest imports it as a plugin before it collects anything, and the
+import patches TRL, exactly as a user's ``import trl_turbo`` at the top of a script does; a plugin module's asserts are
+rewritten by pytest, so the plugin is that module, not the package). Nothing of trl_turbo is loaded in the stock run. Per-test outcomes
 and durations come from pytest's JUnit XML; the verdict is the list of tests that pass stock and do not pass with the
-import (exit status 1 when it is not empty). Durations are compared test by test, so a slowdown can be traced to the
+import (exit status 1 when it is not empty; 2 when a run did not run: the stock run passed nothing, or pytest
+exited for another reason than failing tests). Durations are compared test by test, so a slowdown can be traced to the
 tests that cause it.
 
     git clone --depth 1 --branch v1.16.0 https://github.com/huggingface/trl /tmp/trl
@@ -21,6 +23,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -33,6 +36,7 @@ from pathlib import Path
 
 DEFAULT_PATHS = ("tests/test_grpo_trainer.py",)
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
+IMPORT_PLUGIN = "trl_suite_import_trl_turbo"  # the second run's `-p` module, written beside the extracted tests
 
 # Written at the root of the extracted tree (above TRL's own tests/conftest.py) and loaded alike in both runs. Tests
 # from a TRL ref other than the installed release may import `is_<package>_available` helpers the installed
@@ -81,10 +85,10 @@ def extract_tests(source: str | Path, ref: str, dest: str | Path) -> str:
 
 def pytest_command(paths: list[str], junit: str | Path, *, with_import: bool, keyword: str | None = None,
                    workers: int = 1) -> list[str]:
-    """The pytest command line of one run; the two runs differ only in ``-p trl_turbo`` (and the report path)."""
+    """The pytest command line of one run; the two runs differ only in ``-p IMPORT_PLUGIN`` (and the report path)."""
     command = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     if with_import:
-        command += ["-p", "trl_turbo"]
+        command += ["-p", IMPORT_PLUGIN]
     if keyword:
         command += ["-k", keyword]
     if workers > 1:
@@ -118,6 +122,16 @@ def parse_junit(path: str | Path) -> dict[str, tuple[str, float]]:
     return results
 
 
+def not_run(runs: dict[str, dict]) -> list[str]:
+    """Why the comparison means nothing, if it does not: a pytest exit other than 0 (all passed) or 1 (some failed),
+    or a stock run that passed no test."""
+    problems = [f"{name}: pytest exited with {run['returncode']}" for name, run in runs.items()
+                if run["returncode"] not in (0, 1)]
+    if runs["stock"]["counts"][PASSED] == 0:
+        problems.append("stock: no test passed")
+    return problems
+
+
 def regressions(stock: dict[str, tuple[str, float]], turbo: dict[str, tuple[str, float]]) -> list[str]:
     """Tests that pass stock and do not pass with the import (missing from the second run counts as not passing)."""
     return sorted(t for t, (outcome, _) in stock.items() if outcome == PASSED and turbo.get(t, ("",))[0] != PASSED)
@@ -141,8 +155,10 @@ def run_twice(root: str | Path, paths: list[str], env: dict[str, str], *, keywor
               workers: int = 1, log=print) -> dict[str, dict]:
     """Run ``paths`` under ``root`` stock, then with the import; per run: outcomes, counts, wall seconds, exit code."""
     runs: dict[str, dict] = {}
+    (Path(root) / f"{IMPORT_PLUGIN}.py").write_text("import trl_turbo  # noqa: F401  (patches TRL, as a user's import)\n")
     for name, with_import in (("stock", False), ("with_import", True)):
         junit = Path(root) / f"junit-{name}.xml"
+        junit.unlink(missing_ok=True)  # a report left by an earlier run must not stand in for this one
         command = pytest_command(paths, junit, with_import=with_import, keyword=keyword, workers=workers)
         log(f"[trl_suite] {name}: {' '.join(command[1:])}")
         start = time.perf_counter()
@@ -182,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         standins = build_all(Path(root) / "hf_home")
         runs = run_twice(root, args.paths, offline_env(Path(root) / "hf_home"), keyword=args.keyword,
                          workers=args.workers)
+        if args.out:  # the logs say why a test failed; the temporary directory goes
+            for name in runs:
+                shutil.copy(Path(root) / f"pytest-{name}.log", Path(args.out).with_suffix(f".{name}.log"))
     stock, turbo = runs["stock"]["tests"], runs["with_import"]["tests"]
     lost = regressions(stock, turbo)
     fixed = sorted(t for t, (o, _) in turbo.items() if o == PASSED and stock.get(t, ("",))[0] != PASSED)
@@ -197,16 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"passed stock, not with the import: {len(lost)}")
     for test in lost:
         print(f"  {test}: {turbo.get(test, ('missing',))[0]}")
+    problems = not_run(runs)
+    for problem in problems:
+        print(f"[trl_suite] did not run: {problem}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "trl_source": str(args.trl_source), "ref": args.ref, "ref_version": ref_version,
             "installed_trl": trl.__version__, "paths": args.paths, "keyword": args.keyword, "workers": args.workers,
-            "standins": standins, "regressions": lost, "fixed_by_import": fixed,
+            "standins": standins, "regressions": lost, "fixed_by_import": fixed, "not_run": problems,
             "largest_ratios": [{"test": t, "stock_s": a, "with_import_s": b, "ratio": r} for t, a, b, r in ratios],
             "runs": {name: {**run, "tests": {t: {"outcome": o, "seconds": s} for t, (o, s) in run["tests"].items()}}
                      for name, run in runs.items()},
         }, indent=1))
-    return 1 if lost else 0
+    return 2 if problems else 1 if lost else 0
 
 
 if __name__ == "__main__":

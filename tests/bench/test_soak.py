@@ -72,6 +72,30 @@ def test_recorder_samples_every_step_of_a_real_trainer(tmp_path):
     assert all(row["step_s"] > 0 and row["host_rss"] > 0 and row["reward"] is not None and row["loss"] is not None
                for row in trace)
     assert all("device_used" not in row for row in trace)  # no CUDA: no device series, and the verdict skips them
+    assert all(row["generation_s"] is None for row in trace)  # no vLLM engine: no generation metric to split by
+    assert set(soak.step_time_trend(trace, warmup=0)) == {"step_s"}
+
+
+def test_step_time_trend_places_a_slowdown_in_the_part_that_grows():
+    trace = flat_trace()
+    for row in trace:  # generation grows by 0.1 s every 100 steps; the rest of the step stays at 0.2 s
+        row["generation_s"] = 0.3 + 0.001 * row["step"]
+        row["step_s"] = row["generation_s"] + 0.2
+    trend = soak.step_time_trend(trace)
+    assert trend["generation_s"]["slope_s_per_100_steps"] == pytest.approx(0.1)
+    assert trend["step_s"]["slope_s_per_100_steps"] == pytest.approx(0.1)
+    assert trend["rest_s"]["slope_s_per_100_steps"] == pytest.approx(0.0, abs=1e-9)
+    assert trend["rest_s"]["mean_s"] == pytest.approx(0.2)
+    after = trace[soak.FLATNESS_BOUNDS.warmup:]
+    mean_step = sum(row["step_s"] for row in after) / len(after)
+    assert trend["step_s"]["relative_slope_per_100_steps"] == pytest.approx(0.1 / mean_step)
+
+
+def test_step_time_trend_without_every_generation_time_leaves_the_split_out():
+    trace = flat_trace()
+    for row in trace[::2]:
+        row["generation_s"] = 0.3
+    assert set(soak.step_time_trend(trace)) == {"step_s", "generation_s"}
 
 
 def test_soak_rows_plot_against_the_step(tmp_path):

@@ -5,8 +5,9 @@ Design decision: one real GRPOTrainer in one process (leaks are per process) ove
 colocated vLLM sharing the base weights, KV standby, merged sampling, every layer checkpointed and offloaded ("min"
 memory plan), tiled MLP, sequence groups, the fused loss and TRL's truncated importance-sampling correction. A
 callback samples at each step end torch's allocated and reserved device bytes, the driver's used bytes, the process's
-resident host memory, torch's pinned-host allocator and the step's wall time; the offload pool's size comes from the
-step's own metric. The verdict (`flatness`) is a pure function of that trace with its bounds stated in
+resident host memory, torch's pinned-host allocator and the step's wall time; the offload pool's size and the step's
+generation, merge and restore seconds come from the step's own metrics, so a slowdown can be placed
+(`step_time_trend`). The verdict (`flatness`) is a pure function of that trace with its bounds stated in
 `FLATNESS_BOUNDS`, so it is tested on synthetic traces; the benchmark measures and reports it, it never asserts.
 """
 
@@ -84,6 +85,30 @@ def flatness(trace: list[dict[str, Any]], bounds: FlatnessBounds = FLATNESS_BOUN
     return {"flat": all(c["ok"] for c in checks.values()), "checks": checks, "bounds": asdict(bounds)}
 
 
+# Per-step seconds the trace splits a step into: vLLM's generation (trl_turbo's `vllm/generation_s` metric) and the
+# rest of the step (scoring, merge/restore, training); where a slowdown grows is where to look.
+TIME_PARTS = ("step_s", "generation_s", "rest_s")
+
+
+def step_time_trend(trace: list[dict[str, Any]], warmup: int = FLATNESS_BOUNDS.warmup) -> dict[str, dict[str, float]]:
+    """For the whole step and each part of it, after warm-up: the mean, the least-squares slope in seconds per 100
+    steps, and that slope as a fraction of the mean. Reported beside the verdict, not judged: the verdict's
+    `step_time_drift` is the stated bound."""
+    after = trace[warmup:]
+    parts = {"step_s": [row["step_s"] for row in after],
+             "generation_s": [row["generation_s"] for row in after if row.get("generation_s") is not None]}
+    if len(parts["generation_s"]) == len(after):
+        parts["rest_s"] = [row["step_s"] - row["generation_s"] for row in after]
+    trend = {}
+    for name in TIME_PARTS:
+        values = parts.get(name) or []
+        if len(values) < 2:
+            continue
+        mean, slope = statistics.fmean(values), _slope(values) * 100
+        trend[name] = {"mean_s": mean, "slope_s_per_100_steps": slope, "relative_slope_per_100_steps": slope / mean}
+    return trend
+
+
 def _pinned_host_bytes() -> int | None:
     import torch
 
@@ -129,7 +154,8 @@ def record_steps(trainer: Any) -> list[dict[str, Any]]:
         log = logs.get(row["step"], {})
         pool = log.get("offload/host_pool_gib")
         row.update(offload_pool=None if pool is None else pool * GIB, reward=log.get("reward"), loss=log.get("loss"),
-                   kv_released_gib=log.get("vllm/kv_released_gib"))
+                   kv_released_gib=log.get("vllm/kv_released_gib"), generation_s=log.get("vllm/generation_s"),
+                   merge_s=log.get("vllm/merge_s"), restore_s=log.get("vllm/restore_s"))
     return trace
 
 
@@ -159,12 +185,16 @@ def run(args: argparse.Namespace) -> None:
     for name, item in verdict["checks"].items():
         print(f"{name}: {item['value']:.4g} (bound {item['bound']:.4g}) {'ok' if item['ok'] else 'EXCEEDED'}")
     print("flat" if verdict["flat"] else "NOT flat")
+    trend = step_time_trend(trace)
+    for name, item in trend.items():
+        print(f"{name}: mean {item['mean_s']:.4g} s, {item['slope_s_per_100_steps'] * 1000:+.3g} ms per 100 steps "
+              f"({item['relative_slope_per_100_steps']:+.2%})")
     rows = [{**row, "variant": "turbo", "ok": True,
              **{f"{key}_gib": row[key] / GIB for key in ("device_used", "host_rss", "offload_pool")
                 if row.get(key) is not None}} for row in trace]
     meta = metadata("soak", torch.device("cuda"), {"steps": args.steps, "completion_len": args.completion_len,
                                                    "model": SOAK_MODEL})
-    meta["verdict"] = verdict
+    meta["verdict"], meta["step_time_trend"] = verdict, trend
     path = write(meta, rows, "tiny-llama", Path(args.out), series=lambda row: row["variant"],
                  panels=[("device_used_gib", "device used (GiB, driver)"), ("host_rss_gib", "host RSS (GiB)"),
                          ("offload_pool_gib", "pinned offload pool (GiB)"), ("step_s", "step time (s)")],

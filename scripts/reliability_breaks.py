@@ -3,9 +3,10 @@
 Design decision: a test that cannot fail proves nothing, so each break here is a small, plausible regression of the
 behaviour one test guards, applied as an exact text replacement to a throwaway git worktree of HEAD (never to the
 checkout you work in). A replacement whose source text is gone (the code moved on) stops the script loudly instead of
-testing nothing. The verdict per break is pytest's exit status on that item's test; every one must be non-zero.
+testing nothing. Each test first runs on the unbroken worktree and must pass (exit 0); with its break it must fail
+(exit 1: failing tests, not a collection error or a missing test id).
 
-    python scripts/reliability_breaks.py            # all breaks, about 2 minutes on 2 CPU cores
+    python scripts/reliability_breaks.py            # all breaks, about 5 minutes on 2 CPU cores
     python scripts/reliability_breaks.py resume     # one by name
 """
 
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,14 +95,15 @@ def apply(worktree: Path, item: Break) -> None:
     source.write_text(text + item.appended)
 
 
-def run(worktree: Path, item: Break) -> tuple[int, str, float]:
+def run_test(worktree: Path, test: str) -> tuple[int, str, float]:
+    """pytest's exit status on `test` in `worktree`, its first error line and the seconds it took."""
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(worktree)}  # child processes import the broken copy too
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", item.test],
+    env = {**os.environ, "PYTHONPATH": str(worktree)}  # child processes import the worktree's copy too
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test],
                             cwd=worktree, env=env, capture_output=True, text=True)
-    errors = [line for line in result.stdout.splitlines() if line.startswith("E ")]
-    return result.returncode, (errors[0][1:].strip() if errors else result.stdout.strip()[-200:]), \
-        time.perf_counter() - start
+    errors = [line[1:].strip() for line in result.stdout.splitlines() if line.startswith("E ")]
+    summary = errors[0] if errors else result.stdout.strip()[-200:]
+    return result.returncode, summary, time.perf_counter() - start
 
 
 def main() -> int:
@@ -109,22 +111,30 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help=f"breaks to run (default all): {', '.join(b.name for b in BREAKS)}")
     args = parser.parse_args()
     chosen = [b for b in BREAKS if not args.names or b.name in args.names]
-    caught = True
+    all_caught = True
     with tempfile.TemporaryDirectory() as parent:
         worktree = Path(parent) / "broken"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(worktree), "HEAD"], check=True)
         try:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(worktree), "HEAD"],
+                           check=True)
             for item in chosen:
                 subprocess.run(["git", "-C", str(worktree), "checkout", "-q", "--", "."], check=True)
+                clean_status, clean_summary, _ = run_test(worktree, item.test)
+                if clean_status != 0:
+                    all_caught = False
+                    print(f"{item.name}: {item.test} does not pass unbroken (exit {clean_status}): {clean_summary}")
+                    continue
                 apply(worktree, item)
-                status, first_error, seconds = run(worktree, item)
-                caught &= status != 0
-                verdict = "caught" if status != 0 else "NOT CAUGHT"
+                status, summary, seconds = run_test(worktree, item.test)
+                caught = status == 1
+                all_caught &= caught
+                verdict = "caught" if caught else f"NOT CAUGHT (exit {status})"
                 print(f"{item.name}: {verdict} by {item.test} ({seconds:.0f} s) -- break: {item.what}\n"
-                      f"    {first_error[:200]}", flush=True)
+                      f"    {summary[:200]}", flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
-    return 0 if caught else 1
+            subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=False)
+    return 0 if all_caught else 1
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ colocated vLLM sharing the base weights, KV standby, merged sampling, every laye
 memory plan), tiled MLP, sequence groups, the fused loss and TRL's truncated importance-sampling correction. A
 callback samples at each step end torch's allocated and reserved device bytes, the driver's used bytes, the process's
 resident host memory, torch's pinned-host allocator and the step's wall time; the offload pool's size and the step's
-generation, merge and restore seconds come from the step's own metrics, so a slowdown can be placed
-(`step_time_trend`). The verdict (`flatness`) is a pure function of that trace with its bounds stated in
+generation seconds (merge and restore included; each also on its own) come from the step's own metrics, so a
+slowdown can be placed (`step_time_trend`). The verdict (`flatness`) is a pure function of that trace with its bounds stated in
 `FLATNESS_BOUNDS`, so it is tested on synthetic traces; the benchmark measures and reports it, it never asserts.
 """
 
@@ -85,23 +85,23 @@ def flatness(trace: list[dict[str, Any]], bounds: FlatnessBounds = FLATNESS_BOUN
     return {"flat": all(c["ok"] for c in checks.values()), "checks": checks, "bounds": asdict(bounds)}
 
 
-# Per-step seconds the trace splits a step into: vLLM's generation (trl_turbo's `vllm/generation_s` metric) and the
-# rest of the step (scoring, merge/restore, training); where a slowdown grows is where to look.
+# Per-step seconds the trace splits a step into: the engine's whole generation phase (trl_turbo's `vllm/generation_s`:
+# sampling plus the merge, restore and KV-cache mapping around it) and the rest of the step (scoring, the old/ref
+# log-prob passes, training); where a slowdown grows is where to look.
 TIME_PARTS = ("step_s", "generation_s", "rest_s")
 
 
 def step_time_trend(trace: list[dict[str, Any]], warmup: int = FLATNESS_BOUNDS.warmup) -> dict[str, dict[str, float]]:
-    """For the whole step and each part of it, after warm-up: the mean, the least-squares slope in seconds per 100
-    steps, and that slope as a fraction of the mean. Reported beside the verdict, not judged: the verdict's
-    `step_time_drift` is the stated bound."""
+    """For the whole step and, where every step after warm-up has its generation time, each part of it: the mean,
+    the least-squares slope in seconds per 100 steps, and that slope as a fraction of the mean. Reported beside the
+    verdict, not judged: the verdict's `step_time_drift` is the stated bound."""
     after = trace[warmup:]
-    parts = {"step_s": [row["step_s"] for row in after],
-             "generation_s": [row["generation_s"] for row in after if row.get("generation_s") is not None]}
-    if len(parts["generation_s"]) == len(after):
+    parts = {"step_s": [row["step_s"] for row in after]}
+    if after and all(row.get("generation_s") is not None for row in after):
+        parts["generation_s"] = [row["generation_s"] for row in after]
         parts["rest_s"] = [row["step_s"] - row["generation_s"] for row in after]
     trend = {}
-    for name in TIME_PARTS:
-        values = parts.get(name) or []
+    for name, values in parts.items():
         if len(values) < 2:
             continue
         mean, slope = statistics.fmean(values), _slope(values) * 100

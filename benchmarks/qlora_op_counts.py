@@ -11,7 +11,8 @@ training feature on). Run it once per commit and compare the JSON files:
 own operations are counted by name and by the packed weight's shape (each decoder matrix has its own), which shows
 how often each 4-bit weight is dequantized. `--tile-tokens` and `--forward-token-budget` set the split: 16 and 32 put
 the 21-token sequences (5 prompt + 16 completion) into one group each of two MLP tiles, as the bench's 8 x 20736
-tokens run with the defaults (32768-token groups, 16384-token tiles).
+tokens run with the defaults (32768-token groups, 16384-token tiles); `--memory-plan min` checkpoints every layer, as
+"auto" does on a GPU under a ceiling that no kept layer fits (without a GPU "auto" keeps every layer).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ NF4_DOUBLE = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_
 SEQUENCES, PROMPT_TOKENS, COMPLETION_TOKENS = 8, 5, 16
 
 
-def main(out: str, stock: bool, tile_tokens: int, forward_token_budget: int) -> None:
+def main(out: str, stock: bool, tile_tokens: int, forward_token_budget: int, memory_plan: str) -> None:
     warnings.simplefilter("ignore")
     if stock:
         trl_turbo.unpatch()
-    turbo_fields = {} if stock else {"turbo_tiled_mlp_tokens": tile_tokens,
+    turbo_fields = {} if stock else {"turbo_tiled_mlp_tokens": tile_tokens, "turbo_memory_plan": memory_plan,
                                      "turbo_forward_token_budget": forward_token_budget}
     with tempfile.TemporaryDirectory() as tmp:
         config = parity.base_config_kwargs(tmp, gradient_checkpointing=True, max_completion_length=COMPLETION_TOKENS,
@@ -67,7 +68,8 @@ def main(out: str, stock: bool, tile_tokens: int, forward_token_budget: int) -> 
     grads = {name: p.grad.norm().item() for name, p in trainer.model.named_parameters() if p.grad is not None}
     with open(out, "w") as handle:
         json.dump({"variant": "stock" if stock else "turbo",
-                   "split": None if stock else {"tile_tokens": tile_tokens, "forward_token_budget": forward_token_budget},
+                   "split": None if stock else {"tile_tokens": tile_tokens, "forward_token_budget": forward_token_budget,
+                                                "memory_plan": memory_plan},
                    "loss": loss.item(), "grad_norms": grads, "aten_counts": dict(sorted(counts.items())),
                    "bitsandbytes_counts": dict(sorted(bitsandbytes.items()))}, handle, indent=1)
 
@@ -78,5 +80,8 @@ if __name__ == "__main__":
     parser.add_argument("--stock", action="store_true", help="count stock TRL's step (trl_turbo unpatched)")
     parser.add_argument("--tile-tokens", type=int, default=5, help="turbo_tiled_mlp_tokens (default 5)")
     parser.add_argument("--forward-token-budget", type=int, default=400, help="turbo_forward_token_budget (default 400)")
+    parser.add_argument("--memory-plan", default="auto", choices=("auto", "min"),
+                        help="turbo_memory_plan; without a GPU 'auto' keeps every layer's activations, 'min' "
+                             "checkpoints every layer as a GPU run under a tight ceiling does")
     args = parser.parse_args()
-    main(args.out, args.stock, args.tile_tokens, args.forward_token_budget)
+    main(args.out, args.stock, args.tile_tokens, args.forward_token_budget, args.memory_plan)

@@ -163,6 +163,16 @@ def test_geometric_is_modes_hand_computed():
     close(truncate_stats["is_truncated_fraction"], 2 / 3)  # tokens exp(0.2) = 1.22 and exp(0.3) = 1.35 > 1.2
 
 
+def _geometric_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """The geometric sequence ratio written out here, not through `trl_turbo.losses`: exp of the mean token
+    log-ratio over each sequence's valid tokens, (B, 1), truncated or masked to [clip_min, clip_max]."""
+    mean_log_ratio = ((old - sampling) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+    ratio = torch.exp(mean_log_ratio)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max)
+    return torch.where((ratio < clip_min) | (ratio > clip_max), torch.zeros_like(ratio), ratio)
+
+
 @pytest.mark.parametrize("mode", losses.TURBO_IS_MODES)
 def test_geometric_is_mode_in_the_patched_loss(tmp_path, mode):
     """The loss computes the geometric ratio itself (TRL never sees the mode) and logs the raw diagnostics."""
@@ -176,9 +186,8 @@ def test_geometric_is_mode_in_the_patched_loss(tmp_path, mode):
     trainer.args.steps_per_generation = 1
     inputs = parity.synthetic_batch(trainer, with_old_logps=True, with_sampling_logps=True)
     mask = inputs["completion_mask"]
-    expected_ratio = losses.vllm_importance_sampling_ratio(
-        inputs["old_per_token_logps"], inputs["sampling_per_token_logps"], mask, mode, 0.5, 1.5
-    )
+    expected_ratio = _geometric_is_ratio(inputs["old_per_token_logps"], inputs["sampling_per_token_logps"], mask,
+                                         mode, 0.5, 1.5)
     # Stock TRL's loss given the ratio from outside equals trl_turbo's loss computing it from old log-probs
     assert_fused_equals_stock(trainer, dict(inputs, importance_sampling_ratio=expected_ratio), inputs)
     metrics = trainer._metrics["train"]

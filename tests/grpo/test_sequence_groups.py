@@ -24,9 +24,14 @@ def test_group_count(sequences, length, budget, expected):
     assert count == 1 or per_group * length <= max(budget, length)
 
 
-def test_the_forecast_groups_as_the_trainer_does():
-    for sequences, length, budget in [(16, 2112, 32768), (16, 2112, 8192), (8, 20544, 32768), (3, 10, 25)]:
-        rows, groups = token_groups(MicroBatch(sequences=sequences, sequence_tokens=length), budget)
-        assert groups == group_count(sequences, length, budget)
-        assert rows == -(-sequences // groups)
-    assert token_groups(MicroBatch(sequences=16, sequence_tokens=2112), None) == (16, 1)
+@pytest.mark.parametrize("sequences, length, budget, rows, groups", [
+    (16, 2112, 32768, 8, 2),  # 33792 tokens: 15 sequences would fit, split evenly into 2 groups of 8
+    (16, 2112, 8192, 3, 6),  # 3 sequences (6336 tokens) a group: 6 groups of at most 3
+    (8, 20544, 32768, 1, 8),  # one sequence a group
+    (3, 10, 25, 2, 2),  # 2 + 1
+    (16, 2112, None, 16, 1),  # no budget: one forward
+])
+def test_the_forecast_groups_as_the_trainer_does(sequences, length, budget, rows, groups):
+    assert token_groups(MicroBatch(sequences=sequences, sequence_tokens=length), budget) == (rows, groups)
+    if budget is not None:
+        assert group_count(sequences, length, budget) == groups

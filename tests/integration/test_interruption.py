@@ -1,8 +1,11 @@
 """A run stopped in the middle of a step (CPU, trl_turbo defaults, LoRA, no vLLM): an exception or a KeyboardInterrupt
-raised inside a reward function, the training forward or the backward leaves the process as it found it. The base
-weights are bitwise the originals, no scoped patch stays in force, `save_model()` writes the adapter the trainer
-holds, and a new trainer builds and trains in the same process. The vLLM paths of the same question (an exception
-inside generation, with shared weights, merged or fp8 sampling) are GPU tests in `tests/sampler/`."""
+raised inside a reward function, the training forward or the backward leaves the process as it found it:
+`save_model()` writes the adapter the trainer holds, and a new trainer builds and trains in the same process. The
+checks that the base weights are bitwise the originals and that no scoped patch stays in force guard the training
+features here; without vLLM nothing writes base weights or installs a scoped patch, so on CPU they cannot catch the
+failures they exist for. Those are tested where they can happen: merged sampling's restore on every way out of a
+generation in `tests/sampler/test_vllm_merge.py` (CPU), scoped patches in `tests/patches/test_patching.py`, and an
+exception inside generation with shared weights, merged or fp8 sampling in the GPU tests of `tests/sampler/`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from trl_turbo.grpo import step_plan
 from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
 
-from helpers import assert_fused_equals_stock
+from helpers import assert_fused_equals_stock, make_model_stop_early
 
 UNTIED = {"tie_word_embeddings": False}
 
@@ -81,7 +81,6 @@ OPTION_CASES = {
     "grpo_ga_normalizer": dict(loss_type="grpo", gradient_accumulation_steps=4),
     "dapo_ga_steps_per_generation": dict(gradient_accumulation_steps=4, steps_per_generation=2),
     "temperature": dict(temperature=0.7),
-    "mask_truncated": dict(mask_truncated_completions=True),
 }
 
 
@@ -227,6 +226,18 @@ def test_training_steps_match_stock(arch, peft):
     stock = parity.run_training("stock", steps=3, arch=arch, peft=peft, model_kwargs=UNTIED)
     turbo = parity.run_training("turbo", steps=3, arch=arch, peft=peft, model_kwargs=UNTIED)
     parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
+
+
+def test_mask_truncated_completions_training_matches_stock():
+    """TRL applies mask_truncated_completions while scoring generations, so only whole training steps exercise it:
+    a model made to end its completions early, with a cap some of them still reach."""
+    config = {"mask_truncated_completions": True, "max_completion_length": 4}
+    runs = {variant: parity.run_training(variant, config, steps=3, model_kwargs=UNTIED,
+                                         prepare_model=make_model_stop_early) for variant in ("stock", "turbo")}
+    parity.assert_records_close(runs["stock"], runs["turbo"], rtol=1e-4, atol=1e-6)
+    clipped = [record.logs["completions/clipped_ratio"] for record in runs["stock"]]
+    assert any(0 < ratio < 1 for ratio in clipped), clipped  # truncated (masked) and ended completions in one batch
+    assert any(grad.abs().sum() > 0 for grad in runs["stock"][0].grads.values())
 
 
 # ------------------------------------------------------------------------------------- forward token budget

@@ -33,6 +33,27 @@ def _shards(dtype: torch.dtype, *, rank: int, seed: int = 0, k: int = 72) -> tup
     return shards, start
 
 
+def _fp32_reference(shards: list[MergedShard], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows, scale) written here, independently of the module under test: each shard's W + scaling * B @ A in
+    fp32 at its rows, one per-tensor scale amax / e4m3's max."""
+    merged = torch.zeros(rows, shards[0].weight.shape[1], dtype=torch.float32, device=DEVICE)
+    for shard in shards:
+        block = shard.weight.float()
+        if shard.b is not None:
+            block = torch.add(block, shard.b.float() @ shard.a.float(), alpha=shard.scaling)
+        merged[shard.start: shard.start + block.shape[0]] = block
+    scale = merged.abs().max() / FP8_MAX
+    return (merged / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def test_the_module_reference_is_the_fp32_merge():
+    shards, rows = _shards(torch.bfloat16, rank=5)
+    expected, expected_scale = _fp32_reference(shards, rows)
+    reference, scale = reference_merged_fp8(shards, rows)
+    assert torch.equal(reference.view(torch.uint8), expected.view(torch.uint8))
+    assert scale.item() == expected_scale.item()
+
+
 def _assert_one_step_apart(out: torch.Tensor, expected: torch.Tensor, at_most: float) -> None:
     """Every value within one e4m3 step of the expected one, and at most a fraction `at_most` of them differing."""
     got, want = out.float(), expected.float()
@@ -49,7 +70,7 @@ def _assert_one_step_apart(out: torch.Tensor, expected: torch.Tensor, at_most: f
 @pytest.mark.parametrize("rank", [5, 20])  # 20: more than one rank block in the kernel
 def test_written_bits_equal_the_fp32_reference(backend, dtype, rank):
     shards, rows = _shards(dtype, rank=rank)
-    expected, expected_scale = reference_merged_fp8(shards, rows)
+    expected, expected_scale = _fp32_reference(shards, rows)
     out = torch.full((rows, shards[0].weight.shape[1]), float("nan"), device=DEVICE).to(FP8_DTYPE)
     scale = torch.empty(1, device=DEVICE)
     with merge_fp8._force_backend(backend):

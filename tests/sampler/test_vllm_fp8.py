@@ -60,10 +60,25 @@ def _stand_in_engine(peft_model, drop: str | None = None):
     return tensors, views
 
 
-def _expected(sampling: Fp8Sampling, matrix) -> tuple[torch.Tensor, torch.Tensor]:
-    shards = [sampling._merged_shard(shard) for shard in matrix.shards]
-    shards = [MergedShard(s.weight.clone(), s.b, s.a, s.scaling, s.start) for s in shards]
-    return reference_merged_fp8(shards, matrix.target.rows.shape[0])
+def _expected(model, matrix_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows, scale) of vLLM's fused matrix `matrix_name` (`model.layers.<i>.<group>.<name>.weight`), computed
+    here from PEFT's own modules, independently of `Fp8Sampling`: each HF matrix's base weight plus
+    scaling * lora_B @ lora_A in fp32, stacked in vLLM's packing order, one per-tensor scale (amax / e4m3's max)."""
+    from trl_turbo.ops.merge_fp8 import FP8_DTYPE, FP8_MAX
+
+    _, _, index, group, fused_name, _ = matrix_name.split(".")
+    modules = getattr(model.base_model.model.model.layers[int(index)], group)
+    rows = []
+    for name in PACKED.get(fused_name, [fused_name]):
+        module = getattr(modules, name)
+        if not hasattr(module, "lora_A"):
+            rows.append(module.weight.detach().float())
+            continue
+        delta = module.lora_B["default"].weight.detach().float() @ module.lora_A["default"].weight.detach().float()
+        rows.append(torch.add(module.base_layer.weight.detach().float(), delta, alpha=module.scaling["default"]))
+    merged = torch.cat(rows)
+    scale = merged.abs().max() / FP8_MAX
+    return (merged / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def test_every_fp8_matrix_is_the_quantized_merge_and_the_trainer_weights_are_untouched():
@@ -74,7 +89,7 @@ def test_every_fp8_matrix_is_the_quantized_merge_and_the_trainer_weights_are_unt
     assert len(sampling.matrices) == 2 * 4 and sampling.copy_bytes == sum(t.rows.numel() for t in tensors.values())
     sampling.write()
     for matrix in sampling.matrices:
-        expected, scale = _expected(sampling, matrix)
+        expected, scale = _expected(model, matrix.name)
         assert torch.equal(matrix.target.rows.view(torch.uint8), expected.view(torch.uint8)), matrix.name
         assert matrix.target.scale.item() == pytest.approx(scale.item(), rel=1e-6)
     qkv = sampling.matrices[[m.name for m in sampling.matrices].index("model.layers.0.self_attn.qkv_proj.weight")]
@@ -98,7 +113,7 @@ def test_the_live_adapter_is_read_at_every_write():
     sampling.write()
     for matrix in sampling.matrices:
         assert not torch.equal(first[matrix.name].view(torch.uint8), matrix.target.rows.view(torch.uint8))
-        assert torch.equal(matrix.target.rows.view(torch.uint8), _expected(sampling, matrix)[0].view(torch.uint8))
+        assert torch.equal(matrix.target.rows.view(torch.uint8), _expected(model, matrix.name)[0].view(torch.uint8))
 
 
 def test_unadapted_layers_are_quantized_from_the_base_alone():

@@ -87,6 +87,7 @@ class StepRecord:
     loss: float
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    logs: dict[str, float] = field(default_factory=dict)  # what the trainer logged for the step
 
 
 def build_trainer(
@@ -151,8 +152,10 @@ def run_training(
     peft: bool = False,
     model_kwargs: dict[str, Any] | None = None,
     quantization: dict[str, Any] | None = None,
+    prepare_model: Callable[[torch.nn.Module], None] | None = None,
 ) -> list[StepRecord]:
-    """Seeded GRPO training steps; returns one record per optimizer step."""
+    """Seeded GRPO training steps; returns one record per optimizer step. `prepare_model` edits the seeded model's
+    weights (under no_grad) before training."""
     from transformers import TrainerCallback
 
     records: list[StepRecord] = []
@@ -177,11 +180,15 @@ def run_training(
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs and records:
                 records[-1].loss = float(logs["loss"])
+                records[-1].logs = dict(logs)
 
     with patch_state(variant), tempfile.TemporaryDirectory() as tmp:
         config = base_config_kwargs(tmp, max_steps=steps, **(config_overrides or {}))
         torch.manual_seed(0)
         trainer = build_trainer(config, arch=arch, peft=peft, model_kwargs=model_kwargs, quantization=quantization)
+        if prepare_model is not None:
+            with torch.no_grad():
+                prepare_model(trainer.model)
         trainer.add_callback(_Recorder(trainer.model))
         trainer.train()
     return records

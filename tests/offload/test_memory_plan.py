@@ -204,13 +204,35 @@ def test_off_installs_nothing_and_auto_plans_and_logs(tmp_path):
     assert logged["memory_plan/layer_activation_gib"] == 0  # nor anything to measure
 
 
+def _fake_device_budget(free_bytes: int):
+    """`prepare_model` for `parity.run_training`: the trainer's planner sees a device with `free_bytes` free."""
+    def prepare(model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base._trl_turbo_checkpointing.planner.budget = lambda device: (free_bytes, 0, FAKE_CAPACITY)
+    return prepare
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 40, 0], ids=["no-device", "all-kept", "nothing-fits"])
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_auto_plan_training_matches_stock(peft):
+def test_auto_plan_training_matches_stock(peft, budget):
+    """Whole training steps under "auto" against stock: without a device (plain autograd), and with a faked device
+    where every layer keeps its activations through the lean saved-tensor hooks, or none fits and every layer is
+    recomputed (no offloader on CPU)."""
     overrides = {"gradient_checkpointing": True, "max_completion_length": 8}
-    stock = parity.run_training("stock", overrides, steps=2, peft=peft, model_kwargs={"tie_word_embeddings": False})
+    untied = {"tie_word_embeddings": False}
+    stock = parity.run_training("stock", overrides, steps=2, peft=peft, model_kwargs=untied)
     turbo = parity.run_training("turbo", {**overrides, "turbo_memory_plan": "auto"}, steps=2, peft=peft,
-                                model_kwargs={"tie_word_embeddings": False})
+                                model_kwargs=untied,
+                                prepare_model=None if budget is None else _fake_device_budget(budget))
     parity.assert_records_close(stock, turbo, rtol=1e-4, atol=1e-6)
+    kept = [record.logs["memory_plan/kept_layers"] for record in turbo]
+    measured = [record.logs["memory_plan/layer_activation_gib"] for record in turbo]
+    if budget is None:
+        assert kept == [2, 2] and measured == [0, 0]  # plain autograd: nothing measured
+    elif budget:
+        assert kept == [2, 2] and all(gib > 0 for gib in measured)  # kept through the hooks, measured
+    else:
+        assert kept == [0, 0]
 
 
 def _layer_plans(layer_count, bytes_per_token, spendable_bytes):

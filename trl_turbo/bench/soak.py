@@ -85,16 +85,12 @@ def flatness(trace: list[dict[str, Any]], bounds: FlatnessBounds = FLATNESS_BOUN
     return {"flat": all(c["ok"] for c in checks.values()), "checks": checks, "bounds": asdict(bounds)}
 
 
-# Per-step seconds the trace splits a step into: the engine's whole generation phase (trl_turbo's `vllm/generation_s`:
-# sampling plus the merge, restore and KV-cache mapping around it) and the rest of the step (scoring, the old/ref
-# log-prob passes, training); where a slowdown grows is where to look.
-TIME_PARTS = ("step_s", "generation_s", "rest_s")
-
-
 def step_time_trend(trace: list[dict[str, Any]], warmup: int = FLATNESS_BOUNDS.warmup) -> dict[str, dict[str, float]]:
-    """For the whole step and, where every step after warm-up has its generation time, each part of it: the mean,
-    the least-squares slope in seconds per 100 steps, and that slope as a fraction of the mean. Reported beside the
-    verdict, not judged: the verdict's `step_time_drift` is the stated bound."""
+    """For the whole step (`step_s`) and, where every step after warm-up has its generation time, its two parts: the
+    engine's whole generation phase (`generation_s`, trl_turbo's `vllm/generation_s`: sampling plus the merge, restore
+    and KV-cache mapping around it) and the rest (`rest_s`: scoring, the old/ref log-prob passes, training). Each gets
+    its mean, least-squares slope in seconds per 100 steps, and that slope as a fraction of the mean, so a slowdown
+    can be placed. Reported beside the verdict, not judged: the verdict's `step_time_drift` is the stated bound."""
     after = trace[warmup:]
     parts = {"step_s": [row["step_s"] for row in after]}
     if after and all(row.get("generation_s") is not None for row in after):

@@ -67,9 +67,9 @@ def main(out: str, stock: bool, tile_tokens: int, forward_token_budget: int, mem
                                        for event in events if event.name.startswith("bitsandbytes::"))
     grads = {name: p.grad.norm().item() for name, p in trainer.model.named_parameters() if p.grad is not None}
     with open(out, "w") as handle:
-        json.dump({"variant": "stock" if stock else "turbo",
-                   "split": None if stock else {"tile_tokens": tile_tokens, "forward_token_budget": forward_token_budget,
-                                                "memory_plan": memory_plan},
+        split = None if stock else {"tile_tokens": tile_tokens, "forward_token_budget": forward_token_budget,
+                                    "memory_plan": memory_plan}
+        json.dump({"variant": "stock" if stock else "turbo", "split": split,
                    "loss": loss.item(), "grad_norms": grads, "aten_counts": dict(sorted(counts.items())),
                    "bitsandbytes_counts": dict(sorted(bitsandbytes.items()))}, handle, indent=1)
 
@@ -79,7 +79,8 @@ if __name__ == "__main__":
     parser.add_argument("out", help="the JSON file to write")
     parser.add_argument("--stock", action="store_true", help="count stock TRL's step (trl_turbo unpatched)")
     parser.add_argument("--tile-tokens", type=int, default=5, help="turbo_tiled_mlp_tokens (default 5)")
-    parser.add_argument("--forward-token-budget", type=int, default=400, help="turbo_forward_token_budget (default 400)")
+    parser.add_argument("--forward-token-budget", type=int, default=400,
+                        help="turbo_forward_token_budget (default 400)")
     parser.add_argument("--memory-plan", default="auto", choices=("auto", "min"),
                         help="turbo_memory_plan; without a GPU 'auto' keeps every layer's activations, 'min' "
                              "checkpoints every layer as a GPU run under a tight ceiling does")

@@ -92,6 +92,15 @@ def quantized_peft_model(tmp_path, dtype=torch.float32, **bnb_kwargs):
 
 
 @torch.no_grad()
+def randomize_adapter(peft_model, seed: int, scale: float = 0.5) -> None:
+    """A trained-looking adapter: B is no longer zero, so merging it changes every adapted weight."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in peft_model.named_parameters():
+        if "lora_" in name:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
+@torch.no_grad()
 def make_model_stop_early(model: torch.nn.Module) -> None:
     """Point the EOS row of the LM head along the mean final hidden state, so a random model ends after ~3 tokens
     and the probe has room to rise."""

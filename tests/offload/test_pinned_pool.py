@@ -12,6 +12,8 @@ import torch
 from trl_turbo.offload import pinned_pool
 from trl_turbo.offload.pinned_pool import PinnedPool
 
+from helpers import randomize_adapter
+
 
 @pytest.fixture
 def pinning_fails(monkeypatch):
@@ -55,11 +57,7 @@ def test_merged_sampling_keeps_working_without_pinned_memory(pinning_fails):
 
     model = get_peft_model(tiny_model("llama", vocab_size=64, hidden_size=32, layers=1, dtype=torch.bfloat16),
                            LoraConfig(r=4, target_modules="all-linear"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # a trained adapter (PEFT starts B at zero, whose merge would change nothing)
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    randomize_adapter(model, seed=0)  # PEFT starts B at zero, whose merge would change nothing
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     with pytest.warns(RuntimeWarning, match="merged sampling's copy of the base weights"):
         sampling = MergedSampling(model, "default", pin=True)

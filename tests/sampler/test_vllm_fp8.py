@@ -15,7 +15,7 @@ from trl_turbo.testing.models import tiny_model
 from trl_turbo.vllm.fp8 import Fp8Sampling, Fp8Tensor, hf_linear_modules
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
 
-from helpers import as_if_vllm_installed
+from helpers import as_if_vllm_installed, randomize_adapter
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -23,16 +23,8 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
 def _lora_model(target_modules="all-linear", dtype=torch.bfloat16, model=None):
     model = model or tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, dtype=dtype)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
-    _randomize_adapter(peft_model, seed=0)
+    randomize_adapter(peft_model, seed=0, scale=0.3)
     return peft_model
-
-
-@torch.no_grad()
-def _randomize_adapter(peft_model, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for name, parameter in peft_model.named_parameters():
-        if "lora_" in name:
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
 
 
 def _stand_in_engine(peft_model, drop: str | None = None):
@@ -109,7 +101,7 @@ def test_the_live_adapter_is_read_at_every_write():
     sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
     sampling.write()
     first = {name: t.rows.clone() for name, t in tensors.items()}
-    _randomize_adapter(model, seed=1)  # an optimizer step
+    randomize_adapter(model, seed=1, scale=0.3)  # an optimizer step
     sampling.write()
     for matrix in sampling.matrices:
         assert not torch.equal(first[matrix.name].view(torch.uint8), matrix.target.rows.view(torch.uint8))
@@ -150,7 +142,7 @@ def test_4bit_base_weights_are_dequantized_one_matrix_at_a_time(tmp_path):
 
     model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                  bnb_4bit_compute_dtype=torch.bfloat16)
-    _randomize_adapter(model, seed=2)
+    randomize_adapter(model, seed=2, scale=0.3)
     tensors, views = _stand_in_engine(model)
     sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16)
     sampling.write()

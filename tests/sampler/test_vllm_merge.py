@@ -11,22 +11,15 @@ from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tolerance import assert_within_naive_error
 from trl_turbo.vllm.merge import MergedSampling, host_copy_problem, lora_targets, merge_into, merge_problems
 
+from helpers import randomize_adapter
+
 
 def _lora_model(dtype: torch.dtype, seed: int = 0, **lora: object):
     model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, dtype=dtype, seed=seed)
     config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora)
     peft_model = get_peft_model(model, config)
-    _randomize_adapter(peft_model, seed)
+    randomize_adapter(peft_model, seed)
     return peft_model
-
-
-@torch.no_grad()
-def _randomize_adapter(peft_model, seed: int, scale: float = 0.5) -> None:
-    """A trained-looking adapter: B is no longer zero, so the merge changes every adapted weight."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, parameter in peft_model.named_parameters():
-        if "lora_" in name:
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
 def _base_weights(peft_model) -> dict[str, torch.Tensor]:
@@ -73,7 +66,7 @@ def test_a_thousand_merge_restore_cycles_are_bit_exact(dtype):
                     subtracted = (merged.float() - scaling * (b.float() @ a.float())).to(dtype)
                     subtraction_drift += int((subtracted != base).sum())
         if cycle % 97 == 0:
-            _randomize_adapter(model, seed=cycle)  # the adapter trains between generations
+            randomize_adapter(model, seed=cycle)  # the adapter trains between generations
     assert changed > 0, "the merge changed no weight: the test would prove nothing"
     assert subtraction_drift > 0, "no element where subtraction drifts: the inputs do not exercise the exact restore"
     _assert_bitwise_equal(model, original)

@@ -1,5 +1,6 @@
 """The TRL-suite harness without TRL's tests or a network: its verdict, its report parsing, its Hub stand-ins (loaded
-through the libraries' offline mode in a fresh process) and the one difference between its two runs (``-p`` of a module that imports trl_turbo)."""
+through the libraries' offline mode in a fresh process) and the one difference between its two runs (``-p`` of a
+module that imports trl_turbo)."""
 
 from __future__ import annotations
 

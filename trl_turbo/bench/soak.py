@@ -7,8 +7,9 @@ memory plan), tiled MLP, sequence groups, the fused loss and TRL's truncated imp
 callback samples at each step end torch's allocated and reserved device bytes, the driver's used bytes, the process's
 resident host memory, torch's pinned-host allocator and the step's wall time; the offload pool's size and the step's
 generation seconds (merge and restore included; each also on its own) come from the step's own metrics, so a
-slowdown can be placed (`step_time_trend`). The verdict (`flatness`) is a pure function of that trace with its bounds stated in
-`FLATNESS_BOUNDS`, so it is tested on synthetic traces; the benchmark measures and reports it, it never asserts.
+slowdown can be placed (`step_time_trend`). The verdict (`flatness`) is a pure function of that trace with its bounds
+stated in `FLATNESS_BOUNDS`, so it is tested on synthetic traces; the benchmark measures and reports it, it never
+asserts.
 """
 
 from __future__ import annotations

@@ -291,23 +291,21 @@ class MemoryPlanner:
         tokens = hidden.numel() // hidden.shape[-1]
         input_bytes = hidden.numel() * hidden.element_size()
         head_bytes = HEAD_HIDDEN_STATES * hidden.numel() * 4
-        margin = 0
-        if budget is not None:
-            free, allocated, margin = budget
         self.input_bytes_per_token = input_bytes // max(tokens, 1)
         self.head_bytes_per_token = head_bytes // max(tokens, 1)
         self.last_budget = budget
-        estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
-                    else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
-        working = (int(self.plain_bytes_per_token * tokens) if self.plain_bytes_per_token is not None
-                   else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes
-                   * recompute_working_factor(self.untiled_recompute))
         if budget is None:  # no device to plan for: every layer keeps what plain autograd stores, no hooks
             output = function(*args)
             plan = LayerPlan(0, 0, self.layer_count - 1, 0, input_bytes, -1, -1, tokens)
             self.current = plan
             self.step_plans.append(plan)
             return output
+        free, allocated, margin = budget
+        estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
+                    else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
+        working = (int(self.plain_bytes_per_token * tokens) if self.plain_bytes_per_token is not None
+                   else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes
+                   * recompute_working_factor(self.untiled_recompute))
         first_kept = first_layer_fits(free, margin, head_bytes, estimate, working)
         if first_kept:
             storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
@@ -430,9 +428,9 @@ def planned_checkpoint(planner: MemoryPlanner, index: int, offloaded: Callable[.
         if index == 0:
             return planner.run_first_layer(function, args, offloaded if planner.can_offload else on_device)
         mode = planner.mode(index)
-        if mode == "keep" and planner.last_budget is None:  # no device: plain autograd (see `run_first_layer`)
-            return function(*args)
         if mode == "keep":
+            if planner.last_budget is None:  # no device: plain autograd (see `run_first_layer`)
+                return function(*args)
             with lean_saved_tensors(), kept_layer():
                 return function(*args)
         return (offloaded if mode == "offload" else on_device)(function, *args, **kwargs)

@@ -94,5 +94,6 @@ def configure(trainer: Any) -> CheckpointingRuntime | None:
     runtime = CheckpointingRuntime(offloader, planner)
     install_runtime(model, runtime)
     if tiled or planner is not None:  # without tiles: the lean gated product of the layers the plan keeps
-        install_tiled_mlp(model, args.turbo_tiled_mlp_tokens if tiled else None, untile_post_norm=planner.keeps_layers if planner is not None else None)
+        install_tiled_mlp(model, args.turbo_tiled_mlp_tokens if tiled else None,
+                          untile_post_norm=planner.keeps_layers if planner is not None else None)
     return runtime

@@ -123,8 +123,8 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         return static_bytes + adapter_grads + 2 * forward_tokens * unit + recompute
 
     if mode == "min":
-        host = (spec.layers - 1) * tokens * unit
-        return TrainingForecast(mode, frugal_peak(tokens), frugal_peak(tokens), rows, groups, None, host)
+        peak = frugal_peak(tokens)
+        return TrainingForecast(mode, peak, peak, rows, groups, None, (spec.layers - 1) * tokens * unit)
 
     # "auto": the planner's rules (MemoryPlanner.run_first_layer) on predicted bytes
     kept_per_token = kept_layer_states(spec) * unit

@@ -6,8 +6,8 @@ git clone or mirror, at ``--ref``) into a temporary directory, beside stand-ins 
 in fresh processes of the same environment with the same worker count: once untouched, once with ``-p`` naming a
 one-line module that does ``import trl_turbo`` (pytest imports it as a plugin before it collects anything, and the
 import patches TRL, exactly as a user's ``import trl_turbo`` at the top of a script does; a plugin module's asserts are
-rewritten by pytest, so the plugin is that module, not the package). Nothing of trl_turbo is loaded in the stock run. Per-test outcomes
-and durations come from pytest's JUnit XML; the verdict is the list of tests that pass stock and do not pass with the
+rewritten by pytest, so the plugin is that module, not the package). Nothing of trl_turbo is loaded in the stock run.
+Per-test outcomes and durations come from pytest's JUnit XML; the verdict is the list of tests that pass stock and do not pass with the
 import (exit status 1 when it is not empty; 2 when a run did not run: the stock run passed nothing, or pytest
 exited for another reason than failing tests). Durations are compared test by test, so a slowdown can be traced to the
 tests that cause it.
@@ -155,7 +155,8 @@ def run_twice(root: str | Path, paths: list[str], env: dict[str, str], *, keywor
               workers: int = 1, log=print) -> dict[str, dict]:
     """Run ``paths`` under ``root`` stock, then with the import; per run: outcomes, counts, wall seconds, exit code."""
     runs: dict[str, dict] = {}
-    (Path(root) / f"{IMPORT_PLUGIN}.py").write_text("import trl_turbo  # noqa: F401  (patches TRL, as a user's import)\n")
+    plugin = Path(root) / f"{IMPORT_PLUGIN}.py"
+    plugin.write_text("import trl_turbo  # noqa: F401  (patches TRL, as a user's import)\n")
     for name, with_import in (("stock", False), ("with_import", True)):
         junit = Path(root) / f"junit-{name}.xml"
         junit.unlink(missing_ok=True)  # a report left by an earlier run must not stand in for this one

@@ -9,7 +9,9 @@ the whole micro-batch. Gradients equal the plain MLP's up to float reassociation
 accumulated in fp32 and rounded once. Parameters kept in bf16 (TRL's QLoRA casts LoRA weights to bf16) still round
 each tile's partial gradient inside its matmul: there, tiled and untiled gradients differ by a few bf16 ulps. The
 MLPs of bitsandbytes-quantized models run their forward tiles with autograd recording (one tile's graph at a time),
-because bitsandbytes picks a differently-rounding kernel for no-grad calls.
+because bitsandbytes picks a differently-rounding kernel for no-grad calls. Their 4-bit weights are dequantized once
+per tile loop (`ops.dequantized_linear`), not once per tile and call, where the dequantized matrices take at most
+`DEQUANTIZED_FREE_SHARE` of the free device memory; otherwise each call dequantizes as bitsandbytes does.
 
 Under trl_turbo's gradient checkpointing, the layer's recompute (`is_recomputing()`) only builds the graph for the
 backward pass; its output values are never read. Where the MLP output feeds the residual sum directly (no norm after
@@ -38,10 +40,12 @@ backward pass would draw other dropout masks than its forward did.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from ..device_memory import device_budget
+from ..ops.dequantized_linear import dequantized_bytes, dequantized_once
 from ..ops.gated_product import can_run_gated, gated_product
 from ..ops.autocast_state import autocast_state, restored_autocast
 from .checkpoint import _force_grad_leaf, is_recomputing
@@ -51,6 +55,8 @@ MLP_WORKING_TENSORS = 8
 MIN_TILE_TOKENS = 256
 # The share of the free memory one tile's working set may take (the rest: the layer's attention part, the margin)
 TILE_FREE_SHARE = 0.5
+# The share of the free memory a quantized MLP's dequantized weights may take for a tile loop (else per call)
+DEQUANTIZED_FREE_SHARE = 0.25
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -78,14 +84,16 @@ def tile_spans(tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + tile_tokens, tokens)) for start in range(0, tokens, tile_tokens)]
 
 
-def forward_tiles(mlp_forward: Callable, x: torch.Tensor, tile_tokens: int, grad_path: bool) -> torch.Tensor:
+def forward_tiles(mlp_forward: Callable, x: torch.Tensor, tile_tokens: int, grad_path: bool,
+                  weights_scope: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
     """The MLP's output for `x`, computed tile by tile without keeping a graph. `grad_path`: quantized layers that
     pick another kernel without autograd run each tile as the untiled MLP runs in training (a graph for one tile at
-    a time, dropped at once), so the values are the same as without tiles."""
+    a time, dropped at once), so the values are the same as without tiles. `weights_scope()` is entered around the
+    tiles (quantized weights dequantized once)."""
     flat = x.reshape(-1, x.shape[-1])
     spans = tile_spans(flat.shape[0], tile_tokens)
     if grad_path:
-        with torch.enable_grad():
+        with torch.enable_grad(), weights_scope():
             out = torch.cat([mlp_forward(flat[start:end].detach().requires_grad_()).detach() for start, end in spans])
     else:
         with torch.no_grad():
@@ -96,14 +104,15 @@ def forward_tiles(mlp_forward: Callable, x: torch.Tensor, tile_tokens: int, grad
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mlp_forward: Callable, tile_tokens: int, output_unused: bool, grad_path: bool,
-                _force_grad: torch.Tensor, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.mlp_forward, ctx.tile_tokens = mlp_forward, tile_tokens
+                weights_scope: Callable[[], AbstractContextManager], _force_grad: torch.Tensor, x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.mlp_forward, ctx.tile_tokens, ctx.weights_scope = mlp_forward, tile_tokens, weights_scope
         ctx.autocast = autocast_state()
         ctx.x_requires_grad = x.requires_grad
         ctx.save_for_backward(x, *params)
         if output_unused:
             return torch.empty_like(x)
-        return forward_tiles(mlp_forward, x, tile_tokens, grad_path)
+        return forward_tiles(mlp_forward, x, tile_tokens, grad_path, weights_scope)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -114,7 +123,7 @@ class _TiledMLP(torch.autograd.Function):
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(flat) if ctx.x_requires_grad else None
         param_grads: list[torch.Tensor | None] = [None] * len(params)
-        with restored_autocast(ctx.autocast), torch.enable_grad():
+        with restored_autocast(ctx.autocast), torch.enable_grad(), ctx.weights_scope():
             for start, end in tile_spans(flat.shape[0], ctx.tile_tokens):
                 tile = flat[start:end].detach().requires_grad_(ctx.x_requires_grad)
                 inputs = ([tile] if ctx.x_requires_grad else []) + list(params)
@@ -130,7 +139,7 @@ class _TiledMLP(torch.autograd.Function):
                         param_grads[i] = grad if param_grads[i] is None else param_grads[i] + grad
         param_grads = [None if grad is None else grad.to(param.dtype) for grad, param in zip(param_grads, params)]
         grad_x = grad_x.view_as(x) if grad_x is not None else None
-        return (None, None, None, None, None, grad_x, *param_grads)
+        return (None, None, None, None, None, None, grad_x, *param_grads)
 
 
 def kept_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +169,7 @@ class TiledMLPForward:
         # count) and a grad call to dequantise + matmul; they round differently, so tiles of a quantized MLP take
         # the grad path, as the untiled MLP in a training forward does (see `_TiledMLP.forward`).
         self.grad_path = any(type(m).__module__.startswith("bitsandbytes") for m in module.modules())
+        self.dequantized_elements = dequantized_bytes(module, 1)
         # Tiles are recomputed in the backward pass without the forward's random state: dropout (LoRA's
         # `lora_dropout`) would draw other masks, so an MLP with active dropout runs untiled.
         self.dropouts = [m for m in module.modules() if isinstance(m, torch.nn.Dropout)]
@@ -185,11 +195,23 @@ class TiledMLPForward:
         if tokens <= tile_tokens:
             return self.original(x)
         if not grad:  # e.g. a checkpointed layer's first forward: the MLP's intermediates for one tile at a time
-            return forward_tiles(self.original, x, tile_tokens, self.grad_path)
+            return forward_tiles(self.original, x, tile_tokens, self.grad_path, self._weights_scope)
         output_unused = self.output_feeds_residual and is_recomputing()
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return _TiledMLP.apply(self.original, tile_tokens, output_unused, self.grad_path,
+        return _TiledMLP.apply(self.original, tile_tokens, output_unused, self.grad_path, self._weights_scope,
                                _force_grad_leaf(x.device), x, *params)
+
+    def _weights_scope(self) -> AbstractContextManager:
+        """Quantized weights dequantized once for a tile loop where they take at most `DEQUANTIZED_FREE_SHARE` of
+        the free device memory; otherwise (and for 16-bit MLPs) nothing changes."""
+        if not self.dequantized_elements:
+            return nullcontext()
+        weight = next(p for p in self.module.parameters())
+        free = self.free_bytes(weight.device)
+        compute_dtype_bytes = 2  # bf16/fp16 compute; a larger dtype only makes the check stricter
+        if free is not None and self.dequantized_elements * compute_dtype_bytes > DEQUANTIZED_FREE_SHARE * free:
+            return nullcontext()
+        return dequantized_once(self.module)
 
     def _dropout_active(self) -> bool:
         return any(m.training and m.p > 0 for m in self.dropouts)

@@ -121,6 +121,32 @@ def test_parked_weights_are_shared_from_the_host(monkeypatch):
     assert torch.equal(_loss_and_lora_grads(model, ids)[0], loss_before)
 
 
+@pytest.mark.gpu
+def test_parking_releases_a_segment_that_the_remaining_tensors_pinned():
+    """As transformers loads a model into one warmed-up segment: the parked matrices' memory stays cached in torch's
+    pool, pinned by the tensors that stay (norms, LoRA), unless they are compacted; after it they are the same
+    tensors with the same values, and the model computes the same loss."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.empty_cache()
+    model = _peft_model()
+    size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    warm = torch.empty(size * 4 + 2**31, dtype=torch.uint8, device="cuda")  # one segment larger than the limit
+    del warm
+    model.to("cuda")  # carved out of that segment
+    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    loss_before, _ = _loss_and_lora_grads(model, ids)
+    kept = {name: (p, p.detach().clone()) for name, p in model.named_parameters() if p.requires_grad}
+    reserved_before = torch.cuda.memory_reserved()
+    parked = vllm_engine.ParkedWeights(model)
+    assert vllm_engine.stranded_bytes() <= vllm_engine.STRANDED_BYTES_LIMIT
+    assert torch.cuda.memory_reserved() < reserved_before - 2**31
+    for name, (param, value) in kept.items():
+        assert model.get_parameter(name) is param and param.is_cuda and torch.equal(param, value), name
+    parked.unpark()
+    assert torch.equal(_loss_and_lora_grads(model, ids)[0], loss_before)
+
+
 def test_sharing_refuses_a_layout_whose_values_differ(monkeypatch):
     model = _peft_model()
     swapped = {"qkv_proj": ["k_proj", "q_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

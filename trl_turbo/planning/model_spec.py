@@ -18,6 +18,8 @@ import torch
 # bitsandbytes 4-bit storage per weight: 4 bits, an 8-bit block scale per 64 weights, and an fp32 scale of those per
 # 256 blocks (double quantization).
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+# vLLM undoes double quantization: its copy of each block scale is fp32 (`vllm.quantized.statistics_bytes`).
+VLLM_NF4_SCALE_BYTES_PER_WEIGHT = 4 / 64
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class ModelSpec:
             return 2 * self.parameters
         rest = self.parameters - self.layer_linear_parameters
         return int(2 * rest + NF4_BYTES_PER_WEIGHT * self.layer_linear_parameters)
+
+    def vllm_4bit_scale_bytes(self) -> int:
+        """The fp32 block scales vLLM keeps for the layers' double-quantized 4-bit weights, beside the packed bytes
+        (shared with the training model or its own)."""
+        return int(VLLM_NF4_SCALE_BYTES_PER_WEIGHT * self.layer_linear_parameters)
 
 
 def load_config(model: str) -> Any:

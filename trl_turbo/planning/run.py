@@ -110,6 +110,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
             engine_weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters) if fp8 else 0
         else:
             engine_weights = weights
+        if quantized_4bit and not fp8:  # vLLM's fp32 block scales, beside the packed bytes (shared or its own)
+            engine_weights += spec.vllm_4bit_scale_bytes()
         utilization = _field(args, "vllm_gpu_memory_utilization", 0.3)
         kv_dtype_bytes = 1 if str(_field(args, "turbo_vllm_kv_cache_dtype", "auto")).startswith("fp8") else 2
         if (shared or standby) and utilization == 0.3:

@@ -393,10 +393,21 @@ def plan_views(llm: Any, base: torch.nn.Module, fp8: Mapping[str, Any] | None = 
     return frozen, vllm_params, views
 
 
+# Device memory torch may keep cached but unusable after parking before the model's remaining tensors are compacted
+STRANDED_BYTES_LIMIT = 2**30
+
+
 class ParkedWeights:
     """The frozen matrices of the training model, moved to host memory while vLLM allocates its own weights, so the
     device never holds two copies. `share_base_weights` points them at vLLM's tensors; `unpark` brings back any that
-    were not (an error on the way), so the model is never left half on the host."""
+    were not (an error on the way), so the model is never left half on the host.
+
+    The freed memory must reach the driver: vLLM allocates from its own memory pool, which cannot reuse blocks torch's
+    default pool keeps cached. transformers loads a model into one large warmed-up allocator segment, so the tensors
+    that stay (norms, LoRA weights, 4-bit block scales) pin the segment and `empty_cache` cannot release it (35 GiB
+    of a 70B NF4 model's 37 stayed cached, and vLLM ran out of memory). Where more than `STRANDED_BYTES_LIMIT` stays
+    cached, the remaining tensors go to the host and back, so they land in fresh small segments and the rest is
+    released."""
 
     def __init__(self, model: Any) -> None:
         self.weights = frozen_matrix_weights(peft_base(model))
@@ -405,12 +416,43 @@ class ParkedWeights:
             weight.data = weight.data.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM sizes itself from the driver's free memory
+            if stranded_bytes() > STRANDED_BYTES_LIMIT:
+                compact_device_tensors(model)
 
     def unpark(self) -> None:
         for name, weight in self.weights.items():
             # Still on the host although its home is a device: not shared (views of vLLM's live on the device)
             if weight.device.type == "cpu" and self.home[name].type != "cpu":
                 weight.data = weight.data.to(self.home[name])
+
+
+def stranded_bytes() -> int:
+    """What torch's default pool keeps cached on the current device without holding a tensor there."""
+    return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def compact_device_tensors(model: torch.nn.Module) -> None:
+    """Move every CUDA tensor of `model` (parameters, buffers, bitsandbytes quantization states) to the host, release
+    torch's cache, and move them back: the same tensors (`.data` swapped) in newly allocated segments."""
+    tensors: dict[int, torch.Tensor] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_cuda:
+            tensors.setdefault(id(tensor), tensor)
+    states = {id(s): s for p in model.parameters() if (s := getattr(p, "quant_state", None)) is not None
+              and getattr(s, "absmax", None) is not None and s.absmax.is_cuda}
+    homes = {key: tensor.device for key, tensor in tensors.items()}
+    state_homes = {key: state.absmax.device for key, state in states.items()}
+    try:
+        for tensor in tensors.values():
+            tensor.data = tensor.data.to("cpu")
+        for state in states.values():
+            state.to("cpu")
+        torch.cuda.empty_cache()
+    finally:  # back home whatever happened, so the model is never left half on the host
+        for key, tensor in tensors.items():
+            tensor.data = tensor.data.to(homes[key])
+        for key, state in states.items():
+            state.to(state_homes[key])
 
 
 def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None = None,

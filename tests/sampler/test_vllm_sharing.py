@@ -123,28 +123,28 @@ def test_parked_weights_are_shared_from_the_host(monkeypatch):
 
 @pytest.mark.gpu
 def test_parking_releases_a_segment_that_the_remaining_tensors_pinned():
-    """As transformers loads a model into one warmed-up segment: the parked matrices' memory stays cached in torch's
-    pool, pinned by the tensors that stay (norms, LoRA), unless they are compacted; after it they are the same
-    tensors with the same values, and the model computes the same loss."""
+    """As transformers loads a model (into one warmed-up segment, before any step has run): without compaction the
+    parked matrices' memory stays cached in torch's pool, pinned by the tensors that stay (norms, LoRA); with it, the
+    segment is released and the remaining tensors are the same objects with the same values."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    torch.cuda.empty_cache()
     model = _peft_model()
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}  # on the host
+    torch.cuda.empty_cache()
     size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    warm = torch.empty(size * 4 + 2**31, dtype=torch.uint8, device="cuda")  # one segment larger than the limit
+    warm = torch.empty(size + 2**31, dtype=torch.uint8, device="cuda")  # one segment, larger than the limit
     del warm
     model.to("cuda")  # carved out of that segment
-    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
-    loss_before, _ = _loss_and_lora_grads(model, ids)
-    kept = {name: (p, p.detach().clone()) for name, p in model.named_parameters() if p.requires_grad}
-    reserved_before = torch.cuda.memory_reserved()
+    params = dict(model.named_parameters())
+    reserved = torch.cuda.memory_reserved()
     parked = vllm_engine.ParkedWeights(model)
     assert vllm_engine.stranded_bytes() <= vllm_engine.STRANDED_BYTES_LIMIT
-    assert torch.cuda.memory_reserved() < reserved_before - 2**31
-    for name, (param, value) in kept.items():
-        assert model.get_parameter(name) is param and param.is_cuda and torch.equal(param, value), name
+    assert torch.cuda.memory_reserved() <= reserved - 2**31
     parked.unpark()
-    assert torch.equal(_loss_and_lora_grads(model, ids)[0], loss_before)
+    for name, param in model.named_parameters():
+        assert param is params[name] and param.is_cuda and torch.equal(param.cpu(), values[name]), name
+    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    assert torch.isfinite(_loss_and_lora_grads(model, ids)[0])
 
 
 def test_sharing_refuses_a_layout_whose_values_differ(monkeypatch):

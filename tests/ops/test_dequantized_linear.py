@@ -99,8 +99,9 @@ def test_an_exception_inside_the_scope_removes_its_forwards():
 
 
 def test_calls_bitsandbytes_routes_elsewhere_go_to_its_own_forward():
-    """A single row without grad (bitsandbytes' inference kernel) and a layer whose compute type is not settled yet
-    (bitsandbytes settles it at the first call) are left to bitsandbytes: no dequantization is cached for them."""
+    """A single row without grad (bitsandbytes' inference kernel), a layer whose compute type is not settled yet
+    (bitsandbytes settles it at the first call) and a weight stored in another dtype than the compute dtype are left
+    to bitsandbytes: no dequantization is cached for them."""
     layer = linear_4bit(64, 32, "cpu", torch.float32, nested=False)
     with dequantized_once(layer):
         scoped_forward = layer.__dict__["forward"]
@@ -111,6 +112,11 @@ def test_calls_bitsandbytes_routes_elsewhere_go_to_its_own_forward():
         assert layer.compute_type_is_set and scoped_forward.weights == {}
         layer(torch.randn(4, 64))
         assert list(scoped_forward.weights) == [torch.float32]
+    stored_bf16 = linear_4bit(64, 32, "cpu", torch.bfloat16, nested=False)
+    stored_bf16.compute_dtype = torch.float32  # versions of bitsandbytes round such a weight differently
+    with dequantized_once(stored_bf16):
+        stored_bf16(torch.randn(4, 64))
+        assert stored_bf16.__dict__["forward"].weights == {}
 
 
 class GatedMLP(torch.nn.Module):

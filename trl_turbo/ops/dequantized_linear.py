@@ -9,7 +9,7 @@ dequantizes and multiplies (before 0.50 every call with more than one row or wit
 CUDA calls of more rows than its fused 4-bit kernel takes), and its backward multiplies by the same W, so outputs and
 input gradients are bitwise the same; only the repeated dequantizations go. Every other call (a fused kernel's rows,
 CPU-packed weights, a single row without grad, empty inputs, a layer not yet called or with a bias of another dtype,
-a bitsandbytes whose fused-kernel rows are not known) goes to bitsandbytes' own forward unchanged. The scope's
+weights stored in another dtype than the compute dtype, a bitsandbytes whose fused-kernel rows are not known) goes to bitsandbytes' own forward unchanged. The scope's
 forwards are instance attributes, removed when it ends, on exceptions too. `tests/ops/test_dequantized_linear.py`
 checks the bitwise claim against the installed bitsandbytes (CPU in CI, CUDA on the GPU).
 """
@@ -68,6 +68,9 @@ class OnceDequantizedForward:
         state = getattr(module.weight, "quant_state", None)
         if (state is None or getattr(state, "packing_format_for_cpu", False) or x.numel() == 0
                 or not getattr(module, "compute_type_is_set", False) or module.compute_dtype is None
+                # bitsandbytes' versions round a dequantized weight of another dtype differently (directly into the
+                # compute dtype, or through the stored one) and not alike in forward and backward
+                or state.dtype != module.compute_dtype
                 or (module.bias is not None and module.bias.dtype != x.dtype)
                 or (x.numel() == x.shape[-1] and not x.requires_grad)):
             return True

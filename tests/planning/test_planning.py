@@ -177,12 +177,16 @@ def test_a_70b_qlora_grpo_step_needs_50_gib_with_vllms_fp32_block_scales_and_sto
     values = {"per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 1024, "use_peft": True,
               "lora_r": 16, "load_in_4bit": True, "use_vllm": True, "vllm_mode": "colocate",
               "vllm_max_model_length": 1088, "turbo_vllm_shared_weights": True, "turbo_vllm_standby": True,
-              "gradient_checkpointing": True, "bf16": True}
+              "gradient_checkpointing": True, "bf16": True, "use_bnb_nested_quant": True}  # as the bench's NF4
     at_48 = plan(values, "llama-3.3-70b", gpu_gib=48, host_gib=128)
     assert at_48.quantized_4bit and at_48.spec.layers == 80
     assert "KV cache" in at_48.turbo.error
-    start_up = at_48.turbo.phases[0].parts
-    assert start_up["vLLM weights"] == at_48.spec.layer_linear_parameters // 16  # 4 bytes per 64 weights
+    vllm_scales = at_48.turbo.phases[0].parts["vLLM weights"] / 2**30
+    assert 3.9 < vllm_scales < 4.1, vllm_scales  # 4 bytes per 64 of the 68.5 billion linear weights
     at_50 = plan(values, "llama-3.3-70b", gpu_gib=50, host_gib=128)
     assert at_50.turbo.error is None
     assert at_50.turbo.peak_bytes <= 50 * 2**30 < at_50.stock.peak_bytes
+    # Single-quantized (TRL's default): the training model's scales are fp32 already and vLLM shares them as they are
+    single = plan({**values, "use_bnb_nested_quant": False}, "llama-3.3-70b", gpu_gib=50, host_gib=128)
+    assert single.turbo.phases[0].parts["vLLM weights"] == 0
+    assert single.turbo.phases[0].parts["weights"] - at_50.turbo.phases[0].parts["weights"] > 2.9 * 2**30

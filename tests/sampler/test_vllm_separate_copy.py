@@ -206,7 +206,11 @@ def test_kv_budget_counts_the_weights_vllm_adds(tmp_path, monkeypatch):
     frozen = sum(p.numel() * p.element_size() for p in shared.parameters() if not p.requires_grad)
     assert counted[-1] == frozen + statistics_bytes(shared) and statistics_bytes(shared) > 0
     engine_plan.kv_budget(_generation(shared), None, "auto")  # standby alone: TRL's engine loads a copy of its own
-    assert counted[-1] == frozen + statistics_bytes(shared)
+    assert counted[-1] == frozen + statistics_bytes(shared, shared=False)
+    single = quantized_peft_model(tmp_path / "nf4-single", **NF4, bnb_4bit_use_double_quant=False)
+    frozen = sum(p.numel() * p.element_size() for p in single.parameters() if not p.requires_grad)
+    engine_plan.kv_budget(_generation(single), None, "auto")  # its own copy's fp32 scales: counted
+    assert counted[-1] == frozen + statistics_bytes(single, shared=False) > frozen
 
 
 def test_metrics_report_the_separate_copy():

@@ -122,28 +122,42 @@ def test_parked_weights_are_shared_from_the_host(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_parking_releases_a_segment_that_the_remaining_tensors_pinned():
-    """As transformers loads a model (into one warmed-up segment, before any step has run): without compaction the
-    parked matrices' memory stays cached in torch's pool, pinned by the tensors that stay (norms, LoRA); with it, the
-    segment is released and the remaining tensors are the same objects with the same values."""
+def test_parking_releases_a_segment_that_the_remaining_tensors_pinned(monkeypatch):
+    """As transformers loads a model (into one warmed-up segment, before any step has run): a tensor that stays on
+    the device (here a 4 MiB buffer, as norms and block scales are in a large model) pins the segment, so without
+    compaction the parked matrices' memory stays cached in torch's pool; with it the segment is released, and the
+    remaining tensors are the same objects with the same values."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    model = _peft_model()
-    values = {name: p.detach().clone() for name, p in model.named_parameters()}  # on the host
-    torch.cuda.empty_cache()
-    size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    warm = torch.empty(size + 2**31, dtype=torch.uint8, device="cuda")  # one segment, larger than the limit
-    del warm
-    model.to("cuda")  # carved out of that segment
-    params = dict(model.named_parameters())
-    reserved = torch.cuda.memory_reserved()
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def loaded_model():
+        model = _peft_model()
+        model.register_buffer("stays", torch.arange(2**20, dtype=torch.float32))  # > 1 MiB: the large pool
+        values = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+        torch.cuda.empty_cache()
+        size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        warm = torch.empty(size + 2**31, dtype=torch.uint8, device=device)  # one segment, larger than the limit
+        del warm
+        return model.to(device), values  # carved out of that segment
+
+    model, _ = loaded_model()
+    with monkeypatch.context() as patched:
+        patched.setattr(vllm_engine, "compact_device_tensors", lambda model: None)
+        with pytest.warns(RuntimeWarning, match="stays cached"):
+            vllm_engine.ParkedWeights(model).unpark()
+    assert vllm_engine.stranded_bytes([device]) > vllm_engine.STRANDED_BYTES_LIMIT  # the setup pins the segment
+    del model
+    model, values = loaded_model()
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    reserved = torch.cuda.memory_reserved(device)
     parked = vllm_engine.ParkedWeights(model)
-    assert vllm_engine.stranded_bytes() <= vllm_engine.STRANDED_BYTES_LIMIT
-    assert torch.cuda.memory_reserved() <= reserved - 2**31
+    assert vllm_engine.stranded_bytes([device]) <= vllm_engine.STRANDED_BYTES_LIMIT
+    assert torch.cuda.memory_reserved(device) <= reserved - 2**31
     parked.unpark()
-    for name, param in model.named_parameters():
-        assert param is params[name] and param.is_cuda and torch.equal(param.cpu(), values[name]), name
-    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert tensor is tensors[name] and tensor.is_cuda and torch.equal(tensor.cpu(), values[name]), name
+    ids = torch.randint(3, len(VOCAB), (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     assert torch.isfinite(_loss_and_lora_grads(model, ids)[0])
 
 

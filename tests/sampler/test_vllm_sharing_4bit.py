@@ -97,6 +97,9 @@ def test_vllm_statistics_are_counted_only_where_vllm_makes_its_own(tmp_path):
     blocks = sum(w.numel() * 2 // 64 for w in quantized.four_bit_weights(double).values())  # 2 values a byte
     assert quantized.statistics_bytes(double) == 4 * blocks
     assert quantized.statistics_bytes(single) == 0
+    # vLLM's own copy (not shared) holds fp32 scales for every 4-bit weight, double-quantized or not
+    assert quantized.statistics_bytes(double, shared=False) == quantized.statistics_bytes(single, shared=False)
+    assert quantized.statistics_bytes(single, shared=False) == 4 * blocks
 
 
 @needs_bnb

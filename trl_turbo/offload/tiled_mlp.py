@@ -169,7 +169,7 @@ class TiledMLPForward:
         # count) and a grad call to dequantise + matmul; they round differently, so tiles of a quantized MLP take
         # the grad path, as the untiled MLP in a training forward does (see `_TiledMLP.forward`).
         self.grad_path = any(type(m).__module__.startswith("bitsandbytes") for m in module.modules())
-        self.dequantized_elements = dequantized_bytes(module, 1)
+        self.dequantized_bytes = dequantized_bytes(module)
         # Tiles are recomputed in the backward pass without the forward's random state: dropout (LoRA's
         # `lora_dropout`) would draw other masks, so an MLP with active dropout runs untiled.
         self.dropouts = [m for m in module.modules() if isinstance(m, torch.nn.Dropout)]
@@ -204,12 +204,10 @@ class TiledMLPForward:
     def _weights_scope(self) -> AbstractContextManager:
         """Quantized weights dequantized once for a tile loop where they take at most `DEQUANTIZED_FREE_SHARE` of
         the free device memory; otherwise (and for 16-bit MLPs) nothing changes."""
-        if not self.dequantized_elements:
+        if not self.dequantized_bytes:
             return nullcontext()
-        weight = next(p for p in self.module.parameters())
-        free = self.free_bytes(weight.device)
-        compute_dtype_bytes = 2  # bf16/fp16 compute; a larger dtype only makes the check stricter
-        if free is not None and self.dequantized_elements * compute_dtype_bytes > DEQUANTIZED_FREE_SHARE * free:
+        free = self.free_bytes(next(self.module.parameters()).device)
+        if free is not None and self.dequantized_bytes > DEQUANTIZED_FREE_SHARE * free:
             return nullcontext()
         return dequantized_once(self.module)
 

@@ -8,7 +8,7 @@ computes `linear(x, W)` from that W until the scope ends. That is what bitsandby
 dequantizes and multiplies (before 0.50 every call with more than one row or with grad; from 0.50 on, CPU calls and
 CUDA calls of more rows than its fused 4-bit kernel takes), and its backward multiplies by the same W, so outputs and
 input gradients are bitwise the same; only the repeated dequantizations go. Every other call (a fused kernel's rows,
-CPU-packed weights, a single row without grad, empty inputs, a layer not yet called or with a bias of another dtype,
+CPU-packed weights or CPU inference calls that would pack them, a single row without grad, empty inputs, a layer not yet called or with a bias of another dtype,
 weights stored in another dtype than the compute dtype, a bitsandbytes whose fused-kernel rows are not known) goes to bitsandbytes' own forward unchanged. The scope's
 forwards are instance attributes, removed when it ends, on exceptions too. `tests/ops/test_dequantized_linear.py`
 checks the bitwise claim against the installed bitsandbytes (CPU in CI, CUDA on the GPU).
@@ -45,14 +45,20 @@ def fused_kernel_rows(device_type: str) -> int | None:
 
 
 def is_4bit_linear(module: torch.nn.Module) -> bool:
-    """A bitsandbytes 4-bit linear layer (its weight carries a quantization state)."""
-    return (type(module).__module__.startswith("bitsandbytes")
-            and getattr(getattr(module, "weight", None), "quant_state", None) is not None)
+    """A bitsandbytes 4-bit linear layer with its quantization state."""
+    if not type(module).__module__.startswith("bitsandbytes"):
+        return False
+    import bitsandbytes
+
+    return (isinstance(module, bitsandbytes.nn.Linear4bit)
+            and getattr(module.weight, "quant_state", None) is not None)
 
 
-def dequantized_bytes(module: torch.nn.Module, element_size: int) -> int:
-    """What `dequantized_once(module)` holds at most: every 4-bit weight of `module`, `element_size` bytes each."""
-    return sum(math.prod(m.weight.quant_state.shape) * element_size for m in module.modules() if is_4bit_linear(m))
+def dequantized_bytes(module: torch.nn.Module) -> int:
+    """What `dequantized_once(module)` holds at most: every 4-bit weight of `module` in its stored dtype (the only
+    dtype it dequantizes to)."""
+    return sum(math.prod(m.weight.quant_state.shape) * m.weight.quant_state.dtype.itemsize
+               for m in module.modules() if is_4bit_linear(m))
 
 
 class OnceDequantizedForward:
@@ -72,7 +78,10 @@ class OnceDequantizedForward:
                 # compute dtype, or through the stored one) and not alike in forward and backward
                 or state.dtype != module.compute_dtype
                 or (module.bias is not None and module.bias.dtype != x.dtype)
-                or (x.numel() == x.shape[-1] and not x.requires_grad)):
+                or (x.numel() == x.shape[-1] and not x.requires_grad)
+                # where bitsandbytes repacks the weight for its CPU inference kernel
+                or (x.device.type == "cpu" and getattr(module, "support_avx512bf16_for_cpu", False)
+                    and not module.training and not x.requires_grad)):
             return True
         fused_rows = fused_kernel_rows(x.device.type)
         return fused_rows is None or x.numel() // x.shape[-1] <= fused_rows

@@ -23,7 +23,7 @@ __all__ = ["Plan", "plan"]
 _GIB = 2**30
 # ModelConfig fields (TRL's `trl grpo` YAML carries them beside GRPOConfig's) the forecast reads.
 _MODEL_FIELDS = {"model_name_or_path": None, "use_peft": False, "lora_r": 16, "lora_target_modules": None,
-                 "load_in_4bit": False}
+                 "load_in_4bit": False, "use_bnb_nested_quant": False}
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def plan(config: Any = None, model: str | None = None, *, gpu_gib: float | None 
     capacity = device_capacity_bytes(gpu_gib)
     host = int(host_gib * _GIB) if host_gib is not None else available_host_bytes()
     common = dict(capacity_bytes=capacity, host_capacity_bytes=host, quantized_4bit=quantized,
-                  prompt_tokens=prompt_tokens)
+                  nested_4bit=bool(model_values["use_bnb_nested_quant"]), prompt_tokens=prompt_tokens)
     return Plan(
         model=model, spec=spec, quantized_4bit=quantized,
         turbo=forecast_run(args, spec, completion_tokens=completion_tokens, **common),

@@ -15,11 +15,15 @@ from typing import Any
 
 import torch
 
-# bitsandbytes 4-bit storage per weight: 4 bits, an 8-bit block scale per 64 weights, and an fp32 scale of those per
-# 256 blocks (double quantization).
-NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
-# vLLM undoes double quantization: its copy of each block scale is fp32 (`vllm.quantized.statistics_bytes`).
-VLLM_NF4_SCALE_BYTES_PER_WEIGHT = 4 / 64
+# bitsandbytes 4-bit storage per weight: 4 bits and a block scale per 64 weights, fp32 or, double-quantized
+# (`use_bnb_nested_quant`), 8-bit with an fp32 scale of those per 256 blocks. vLLM undoes double quantization: its
+# copy of each block scale is fp32 (`vllm.quantized.statistics_bytes`).
+FP32_SCALE_BYTES_PER_WEIGHT = 4 / 64
+NESTED_SCALE_BYTES_PER_WEIGHT = 1 / 64 + 4 / (64 * 256)
+
+
+def four_bit_bytes_per_weight(nested: bool) -> float:
+    return 0.5 + (NESTED_SCALE_BYTES_PER_WEIGHT if nested else FP32_SCALE_BYTES_PER_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -39,17 +43,17 @@ class ModelSpec:
     key_value_heads: int
     max_position_embeddings: int
 
-    def weight_bytes(self, quantized_4bit: bool) -> int:
-        """The frozen base weights in 16-bit, or with the layers' linear weights in 4-bit."""
+    def weight_bytes(self, quantized_4bit: bool, nested_4bit: bool = True) -> int:
+        """The frozen base weights in 16-bit, or with the layers' linear weights in 4-bit (`nested_4bit`: their block
+        scales double-quantized)."""
         if not quantized_4bit:
             return 2 * self.parameters
         rest = self.parameters - self.layer_linear_parameters
-        return int(2 * rest + NF4_BYTES_PER_WEIGHT * self.layer_linear_parameters)
+        return int(2 * rest + four_bit_bytes_per_weight(nested_4bit) * self.layer_linear_parameters)
 
-    def vllm_4bit_scale_bytes(self) -> int:
-        """The fp32 block scales vLLM keeps for the layers' double-quantized 4-bit weights, beside the packed bytes
-        (shared with the training model or its own)."""
-        return int(VLLM_NF4_SCALE_BYTES_PER_WEIGHT * self.layer_linear_parameters)
+    def vllm_undone_scale_bytes(self) -> int:
+        """The fp32 block scales vLLM computes beside packed 4-bit bytes it shares when they are double-quantized."""
+        return int(FP32_SCALE_BYTES_PER_WEIGHT * self.layer_linear_parameters)
 
 
 def load_config(model: str) -> Any:

@@ -74,13 +74,13 @@ def _field(args: Any, name: str, default: Any) -> Any:
 
 
 def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
-                 quantized_4bit: bool = False, prompt_tokens: int = 256, completion_tokens: int | None = None,
-                 stock: bool = False) -> RunForecast:
+                 quantized_4bit: bool = False, nested_4bit: bool = True, prompt_tokens: int = 256,
+                 completion_tokens: int | None = None, stock: bool = False) -> RunForecast:
     """The run `args` (a GRPOConfig) describes, on one device of `capacity_bytes`; `stock=True`: as stock TRL would
-    run it (every trl_turbo field off)."""
+    run it (every trl_turbo field off). `nested_4bit`: 4-bit block scales double-quantized."""
     completion = completion_tokens or args.max_completion_length
     batch = MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion)
-    weights = spec.weight_bytes(quantized_4bit)
+    weights = spec.weight_bytes(quantized_4bit, nested_4bit)
     adapter = 4 * spec.lora_parameters
     trainable = spec.lora_parameters if spec.lora_parameters else spec.parameters
     if not spec.lora_parameters:  # full fine-tuning: fp32 master weights are not modelled; the 16-bit ones train
@@ -108,10 +108,10 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
             # fp8 sampling: an e4m3 copy of the linear weights beside the 16-bit ones (an upper bound: the base may be
             # parked on the host while the copy samples, which this forecast does not count on)
             engine_weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters) if fp8 else 0
-        else:
-            engine_weights = weights
-        if quantized_4bit and not fp8:  # vLLM's fp32 block scales, beside the packed bytes (shared or its own)
-            engine_weights += spec.vllm_4bit_scale_bytes()
+            if quantized_4bit and nested_4bit and not fp8:  # fp32 scales beside the shared packed bytes
+                engine_weights += spec.vllm_undone_scale_bytes()
+        else:  # vLLM's own copy, its 4-bit block scales in fp32
+            engine_weights = spec.weight_bytes(quantized_4bit, nested_4bit=False)
         utilization = _field(args, "vllm_gpu_memory_utilization", 0.3)
         kv_dtype_bytes = 1 if str(_field(args, "turbo_vllm_kv_cache_dtype", "auto")).startswith("fp8") else 2
         if (shared or standby) and utilization == 0.3:
@@ -172,7 +172,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
 
 
 def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
-                       quantized_4bit: bool = False, prompt_tokens: int = 256, stock: bool = False) -> int | None:
+                       quantized_4bit: bool = False, nested_4bit: bool = True, prompt_tokens: int = 256,
+                       stock: bool = False) -> int | None:
     """The longest completion (a multiple of 256 tokens, within the model's context) whose run fits; for "auto",
     judged by its most frugal plan, to which it falls back."""
     frugal = args
@@ -181,7 +182,8 @@ def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_
 
     def fits(tokens: int) -> bool:
         return forecast_run(frugal, spec, capacity_bytes=capacity_bytes, host_capacity_bytes=host_capacity_bytes,
-                            quantized_4bit=quantized_4bit, prompt_tokens=prompt_tokens, completion_tokens=tokens,
+                            quantized_4bit=quantized_4bit, nested_4bit=nested_4bit, prompt_tokens=prompt_tokens,
+                            completion_tokens=tokens,
                             stock=stock).fits
 
     limit = max(COMPLETION_STEP, (spec.max_position_embeddings or 131072) - prompt_tokens) // COMPLETION_STEP

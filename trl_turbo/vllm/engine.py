@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -416,8 +417,18 @@ class ParkedWeights:
             weight.data = weight.data.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # vLLM sizes itself from the driver's free memory
-            if stranded_bytes() > STRANDED_BYTES_LIMIT:
-                compact_device_tensors(model)
+            devices = {device for device in self.home.values() if device.type == "cuda"}
+            if stranded_bytes(devices) > STRANDED_BYTES_LIMIT:
+                try:
+                    compact_device_tensors(model)
+                except BaseException:
+                    self.unpark()
+                    raise
+                if stranded_bytes(devices) > STRANDED_BYTES_LIMIT:
+                    warnings.warn(
+                        f"trl_turbo: {stranded_bytes(devices) / 2**30:.1f} GiB of device memory stays cached in "
+                        "torch's pool after the frozen weights were parked, pinned by tensors outside the model "
+                        "(gradients, optimizer states); vLLM cannot use it", RuntimeWarning, stacklevel=2)
 
     def unpark(self) -> None:
         for name, weight in self.weights.items():
@@ -426,9 +437,9 @@ class ParkedWeights:
                 weight.data = weight.data.to(self.home[name])
 
 
-def stranded_bytes() -> int:
-    """What torch's default pool keeps cached on the current device without holding a tensor there."""
-    return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+def stranded_bytes(devices: Iterable[torch.device]) -> int:
+    """What torch's default pool keeps cached on `devices` without holding a tensor there."""
+    return sum(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) for device in devices)
 
 
 def compact_device_tensors(model: torch.nn.Module) -> None:
@@ -448,11 +459,17 @@ def compact_device_tensors(model: torch.nn.Module) -> None:
         for state in states.values():
             state.to("cpu")
         torch.cuda.empty_cache()
-    finally:  # back home whatever happened, so the model is never left half on the host
-        for key, tensor in tensors.items():
-            tensor.data = tensor.data.to(homes[key])
-        for key, state in states.items():
-            state.to(state_homes[key])
+    finally:  # back home whatever happened, every one tried, so the model is never left half on the host
+        failure: BaseException | None = None
+        moves = [(lambda t=tensor, k=key: setattr(t, "data", t.data.to(homes[k]))) for key, tensor in tensors.items()]
+        moves += [(lambda q=state, k=key: q.to(state_homes[k])) for key, state in states.items()]
+        for move in moves:
+            try:
+                move()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others moved
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None = None,

@@ -306,9 +306,9 @@ def _vllm_weight_bytes(model: Any, sharing: Sharing | None, sampling: str | None
         return fp8_bytes + sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's
     # engine loads its own copy of the same storage (a 4-bit model is quantized by vLLM too) next to them. Both add
-    # vLLM's own fp32 block scales of double-quantized 4-bit weights.
+    # vLLM's own fp32 block scales: shared, of double-quantized 4-bit weights; its own copy, of every 4-bit weight.
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    return frozen + statistics_bytes(model)
+    return frozen + statistics_bytes(model, shared=sharing is not None and sharing.mode == SHARED)
 
 
 class EngineState:

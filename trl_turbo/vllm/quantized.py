@@ -176,8 +176,9 @@ def same_quantization(ours: Any, theirs: Any) -> bool:
             and torch.equal(dequantized_absmax(ours).to(theirs.absmax.device), dequantized_absmax(theirs)))
 
 
-def statistics_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the fp32 per-block scales vLLM computes for double-quantized 4-bit weights (it undoes double
-    quantization; single-quantized weights' scales are shared as they are)."""
+def statistics_bytes(model: torch.nn.Module, shared: bool = True) -> int:
+    """Bytes of the fp32 per-block scales vLLM holds beyond the training model's tensors: with `shared` weights, for
+    double-quantized 4-bit weights only (it undoes double quantization; single-quantized weights' scales are shared
+    as they are); in its own copy, for every 4-bit weight."""
     return sum(weight.quant_state.absmax.numel() * 4 for weight in four_bit_weights(model).values()
-               if getattr(weight.quant_state, "nested", False))
+               if not shared or getattr(weight.quant_state, "nested", False))

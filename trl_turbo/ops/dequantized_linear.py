@@ -7,9 +7,10 @@ Inside `dequantized_once(module)` each 4-bit linear layer of `module` dequantize
 computes `linear(x, W)` from that W until the scope ends. That is what bitsandbytes computes for such a call where it
 dequantizes and multiplies (before 0.50 every call with more than one row or with grad; from 0.50 on, CPU calls and
 CUDA calls of more rows than its fused 4-bit kernel takes), and its backward multiplies by the same W, so outputs and
-input gradients are bitwise the same; only the repeated dequantizations go. Every other call (a fused kernel's rows,
-CPU-packed weights or CPU inference calls that would pack them, a single row without grad, empty inputs, a layer not yet called or with a bias of another dtype,
-weights stored in another dtype than the compute dtype, a bitsandbytes whose fused-kernel rows are not known) goes to bitsandbytes' own forward unchanged. The scope's
+input gradients are bitwise the same; only the repeated dequantizations go. Every other call goes to bitsandbytes'
+own forward unchanged: a fused kernel's rows, CPU-packed weights or CPU inference calls that would pack them, a single
+row without grad, empty inputs, a layer not yet called or with a bias of another dtype, weights stored in another
+dtype than the compute dtype, and any call of a bitsandbytes whose fused-kernel rows are not known. The scope's
 forwards are instance attributes, removed when it ends, on exceptions too. `tests/ops/test_dequantized_linear.py`
 checks the bitwise claim against the installed bitsandbytes (CPU in CI, CUDA on the GPU).
 """

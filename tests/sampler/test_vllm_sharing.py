@@ -153,7 +153,7 @@ def test_parking_releases_a_segment_that_the_remaining_tensors_pinned(monkeypatc
     reserved = torch.cuda.memory_reserved(device)
     parked = vllm_engine.ParkedWeights(model)
     assert vllm_engine.stranded_bytes([device]) <= vllm_engine.STRANDED_BYTES_LIMIT
-    assert torch.cuda.memory_reserved(device) <= reserved - 2**31
+    assert torch.cuda.memory_reserved(device) <= reserved - 2**31 + 2**26  # the 2 GiB segment went (new ones: small)
     parked.unpark()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         assert tensor is tensors[name] and tensor.is_cuda and torch.equal(tensor.cpu(), values[name]), name

@@ -63,12 +63,12 @@ def dequantized_bytes(module: torch.nn.Module) -> int:
 
 
 class OnceDequantizedForward:
-    """`forward` of one bitsandbytes `Linear4bit` inside a scope: its weight dequantized at the first call (per
-    compute dtype) and reused."""
+    """`forward` of one bitsandbytes `Linear4bit` inside a scope: its weight dequantized at the first call that
+    computes here and reused (always in the compute dtype, which calls here share with the stored weight)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self.weights: dict[torch.dtype, torch.Tensor] = {}
+        self.weight: torch.Tensor | None = None
 
     def _bitsandbytes_path(self, x: torch.Tensor) -> bool:
         module = self.module
@@ -95,14 +95,12 @@ class OnceDequantizedForward:
         input_dtype = x.dtype
         x = x.to(module.compute_dtype)
         bias = None if module.bias is None else module.bias.to(module.compute_dtype)
-        weight = self.weights.get(x.dtype)
-        if weight is None:
+        if self.weight is None:
             from bitsandbytes.functional import dequantize_4bit
 
-            # [out, in], contiguous, in the input's dtype: the matrix bitsandbytes multiplies by
-            weight = dequantize_4bit(module.weight.data, module.weight.quant_state).to(x.dtype)
-            self.weights[x.dtype] = weight
-        return torch.nn.functional.linear(x, weight, bias).to(input_dtype)
+            # [out, in], contiguous, in the stored dtype (= the compute dtype): the matrix bitsandbytes multiplies by
+            self.weight = dequantize_4bit(module.weight.data, module.weight.quant_state)
+        return torch.nn.functional.linear(x, self.weight, bias).to(input_dtype)
 
 
 @contextmanager

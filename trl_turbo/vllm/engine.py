@@ -424,9 +424,10 @@ class ParkedWeights:
                 except BaseException:
                     self.unpark()
                     raise
-                if stranded_bytes(devices) > STRANDED_BYTES_LIMIT:
+                stranded = stranded_bytes(devices)
+                if stranded > STRANDED_BYTES_LIMIT:
                     warnings.warn(
-                        f"trl_turbo: {stranded_bytes(devices) / 2**30:.1f} GiB of device memory stays cached in "
+                        f"trl_turbo: {stranded / 2**30:.1f} GiB of device memory stays cached in "
                         "torch's pool after the frozen weights were parked, pinned by tensors outside the model "
                         "(gradients, optimizer states); vLLM cannot use it", RuntimeWarning, stacklevel=2)
 
@@ -460,13 +461,16 @@ def compact_device_tensors(model: torch.nn.Module) -> None:
             state.to("cpu")
         torch.cuda.empty_cache()
     finally:  # back home whatever happened, every one tried, so the model is never left half on the host
-        failure: BaseException | None = None
-        moves = [(lambda t=tensor, k=key: setattr(t, "data", t.data.to(homes[k]))) for key, tensor in tensors.items()]
-        moves += [(lambda q=state, k=key: q.to(state_homes[k])) for key, state in states.items()]
-        for move in moves:
+        failure: BaseException | None = None  # the first, re-raised once the others moved
+        for key, tensor in tensors.items():
             try:
-                move()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others moved
+                tensor.data = tensor.data.to(homes[key])
+            except BaseException as exc:  # noqa: BLE001
+                failure = failure or exc
+        for key, state in states.items():
+            try:
+                state.to(state_homes[key])
+            except BaseException as exc:  # noqa: BLE001
                 failure = failure or exc
         if failure is not None:
             raise failure

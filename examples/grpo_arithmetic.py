@@ -10,8 +10,6 @@ dataset needs a conversational ``prompt`` column and an ``answer`` column of int
     python examples/grpo_arithmetic.py --model Qwen/Qwen3-0.6B --use-vllm --lora
 """
 
-import trl_turbo  # noqa: F401  (patches TRL's GRPOTrainer on import)
-
 import argparse
 import statistics
 from pathlib import Path
@@ -22,6 +20,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOConfig, GRPOTrainer
 
+import trl_turbo  # noqa: F401  (patches TRL's GRPOTrainer on import)
 from trl_turbo.tasks import arithmetic
 from trl_turbo.testing import build_tokenizer, tiny_model
 

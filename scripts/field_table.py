@@ -8,7 +8,6 @@ never edited by hand.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 

@@ -8,12 +8,11 @@ import types
 import warnings
 
 import pytest
+from helpers import as_if_vllm_installed
 
 from trl_turbo import config as turbo_config
 from trl_turbo import losses
 from trl_turbo.distributed import FEATURE_STRATEGIES, Strategy, detect_strategy, local_process_count
-
-from helpers import as_if_vllm_installed
 
 _LAUNCH_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
                "ACCELERATE_USE_FSDP", "FSDP_VERSION", "LOCAL_WORLD_SIZE")

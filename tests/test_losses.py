@@ -13,16 +13,15 @@ import math
 
 import pytest
 import torch
+from helpers import assert_fused_equals_stock
 
 import trl_turbo  # noqa: F401  (injects the turbo_* fields into GRPOConfig)
 from trl_turbo import losses
-from trl_turbo.ops import fused_logprobs, reference_logprobs
 from trl_turbo.grpo import step_plan
+from trl_turbo.ops import fused_logprobs, reference_logprobs
 from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
 from trl_turbo.testing.tolerance import assert_within_naive_error
-
-from helpers import assert_fused_equals_stock
 
 # A 2×2 batch: row 0 has A = +1, row 1 has A = −1; N = 4 valid tokens; global_token_mean divides by N.
 LOGPS = [[-1.0, -2.0], [-0.5, -1.0]]

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from trl_turbo.bench import __main__ as cli
-from trl_turbo.bench import parse_turbo_overrides
-from trl_turbo.bench import e2e, loss, results, train
+from trl_turbo.bench import e2e, loss, parse_turbo_overrides, results, train
 from trl_turbo.planning.shapes import LOSS_PRESETS, SHAPES, build_config
 
 TOP_KEYS = {"benchmark", "commit", "dirty", "date", "gpu", "versions", "command", "config", "rows"}

@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
+from helpers import needs_bnb
 
 from trl_turbo.bench import quantized_checkpoint
 from trl_turbo.planning.shapes import QUANTIZATIONS, SHAPES, build_config
-
-from helpers import needs_bnb
 
 
 def _file_tensors(path):
@@ -29,9 +28,7 @@ def _file_tensors(path):
 @needs_bnb
 @pytest.mark.parametrize("shape", ["tiny", "qwen2.5-1.5b"])  # untied head; tied embeddings
 def test_checkpoint_loads_as_transformers_own_4bit_model(shape, tmp_path):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     params = dict(SHAPES[shape])
     if shape != "tiny":  # the family's layout at a test size

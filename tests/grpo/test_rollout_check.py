@@ -81,8 +81,9 @@ def test_error_mode_raises_and_off_reads_nothing():
 
 
 def test_rollout_check_field_is_validated(tmp_path):
-    import trl_turbo  # noqa: F401
     from trl import GRPOConfig
+
+    import trl_turbo  # noqa: F401
 
     with pytest.raises(ValueError, match="turbo_rollout_check='loud'"):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, turbo_rollout_check="loud")

@@ -5,11 +5,10 @@ a wrong reference could miss."""
 from __future__ import annotations
 
 import torch
+from helpers import CAP, make_model_stop_early
 
 from trl_turbo.tasks.arithmetic import make_length_reward
 from trl_turbo.testing import parity
-
-from helpers import CAP, make_model_stop_early
 
 
 def _mean_lengths(tmp_path, learning_rate: float, steps: int) -> list[float]:

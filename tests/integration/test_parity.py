@@ -10,13 +10,11 @@ import math
 
 import pytest
 import torch
+from helpers import assert_fused_equals_stock, make_model_stop_early
 
-from trl_turbo.grpo import loss_step, sequence_groups
-from trl_turbo.grpo import step_plan
+from trl_turbo.grpo import loss_step, sequence_groups, step_plan
 from trl_turbo.patches import trl_trainer
 from trl_turbo.testing import parity
-
-from helpers import assert_fused_equals_stock, make_model_stop_early
 
 UNTIED = {"tie_word_embeddings": False}
 

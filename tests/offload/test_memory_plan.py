@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import checkpointed_grads, decoder_model, token_batch
 
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader
@@ -17,8 +18,6 @@ from trl_turbo.offload.memory_plan import LayerPlan, describe_plan, plan_layers
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
-
-from helpers import checkpointed_grads, decoder_model, token_batch
 
 # A faked device's capacity whose margin is the 1 GiB floor (3% of it is less)
 FAKE_CAPACITY = 32 << 30

@@ -9,17 +9,16 @@ import itertools
 
 import pytest
 import torch
+from helpers import checkpointed_grads, decoder_model, token_batch
 
 import trl_turbo
-from trl_turbo.offload import CheckpointOffloader, TiledMLPForward
 from trl_turbo import registry
+from trl_turbo.offload import CheckpointOffloader, TiledMLPForward
 from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
-from trl_turbo.testing.tolerance import assert_within_naive_error
 from trl_turbo.testing.tokenizer import VOCAB
-
-from helpers import checkpointed_grads, decoder_model, token_batch
+from trl_turbo.testing.tolerance import assert_within_naive_error
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -199,9 +198,9 @@ def test_keyword_tensors_that_need_gradients_get_them():
 def test_layers_outside_the_tested_families_keep_transformers_checkpointing():
     """MoE layers (router logits captured by hooks feed the aux loss) and other families keep their own
     checkpoint function and plain MLP."""
-    from trl_turbo.families import DECODER_LAYER_CLASSES
-
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trl_turbo.families import DECODER_LAYER_CLASSES
 
     model = tiny_model("llama", vocab_size=len(VOCAB), layers=2)
 
@@ -498,9 +497,8 @@ def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
 def test_liger_layers_install_under_tiles_and_undo():
     # Only the wiring runs on CPU (Liger's kernels need CUDA; tests/ops/test_liger_layers.py runs them on the GPU)
     import trl_turbo
+    from trl_turbo.offload.install import install_lean_norms, install_liger_layers, install_tiled_mlp
     from trl_turbo.ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
-    from trl_turbo.offload.install import install_lean_norms, install_liger_layers, \
-        install_tiled_mlp
 
     model = tiny_model("llama", vocab_size=len(VOCAB), layers=2)
     install_lean_norms(model)  # an earlier trainer's choice: Liger's norms replace them

@@ -8,11 +8,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import randomize_adapter
 
 from trl_turbo.offload import pinned_pool
 from trl_turbo.offload.pinned_pool import PinnedPool
-
-from helpers import randomize_adapter
 
 
 @pytest.fixture

@@ -36,8 +36,8 @@ def _assert_within_twice(reference, stock, turbo, what: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2"])
 def test_liger_layers_err_at_most_twice_transformers(arch, dtype):
-    from trl_turbo.ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
     from trl_turbo.offload.install import install_liger_layers
+    from trl_turbo.ops.liger_layers import LigerRMSNormForward, LigerSwiGLUForward
 
     reference_model = tiny_model(arch, vocab_size=len(VOCAB), hidden_size=256, layers=3,
                                  tie_word_embeddings=False).cuda()

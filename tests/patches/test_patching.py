@@ -9,8 +9,7 @@ import trl.trainer.utils as trl_utils
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_turbo
-from trl_turbo import versions
-from trl_turbo import registry
+from trl_turbo import registry, versions
 
 PATCHED_METHODS = ("_compute_loss", "_get_per_token_logps_and_entropies", "_generate_and_score_completions")
 

@@ -9,11 +9,10 @@ import types
 from pathlib import Path
 
 import pytest
-
-from trl_turbo.families import POST_MLP_NORM_MODEL_TYPES
 from transformers import AutoConfig
 
 from trl_turbo.cli import main as cli_main
+from trl_turbo.families import POST_MLP_NORM_MODEL_TYPES
 from trl_turbo.planning import plan
 from trl_turbo.planning.model_spec import load_config, model_spec
 from trl_turbo.planning.run import forecast_run

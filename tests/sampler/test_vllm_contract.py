@@ -9,11 +9,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import as_if_vllm_installed
 
 from trl_turbo import vllm_contract
 from trl_turbo.vllm_contract import CONTRACT, CONTRACT_0_25, check_sources, generation_for, verdict
-
-from helpers import as_if_vllm_installed
 
 # vLLM 0.24's shape of everything the contract names, reduced to signatures and the lines the checks read.
 FAKE_0_24 = {

@@ -7,6 +7,7 @@ Models vLLM cannot share with (8-bit, 4-bit with bf16 storage, a family outside 
 from __future__ import annotations
 
 import importlib.util
+
 import pytest
 import torch
 

@@ -8,14 +8,13 @@ import types
 
 import pytest
 import torch
+from helpers import as_if_vllm_installed, randomize_adapter
 from peft import LoraConfig, get_peft_model
 
 from trl_turbo.ops.merge_fp8 import MergedShard, reference_merged_fp8
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.vllm.fp8 import Fp8Sampling, Fp8Tensor, hf_linear_modules
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
-
-from helpers import as_if_vllm_installed, randomize_adapter
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -171,8 +170,9 @@ def test_fp8_problems_name_what_stands_against_it():
 
 
 def test_fp8_needs_importance_sampling_and_shared_weights(tmp_path, monkeypatch):
-    import trl_turbo  # noqa: F401
     from trl import GRPOConfig
+
+    import trl_turbo  # noqa: F401
 
 
     common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=True, vllm_mode="colocate")

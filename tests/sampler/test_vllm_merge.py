@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import randomize_adapter
 from peft import LoraConfig, get_peft_model
 
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tolerance import assert_within_naive_error
 from trl_turbo.vllm.merge import MergedSampling, host_copy_problem, lora_targets, merge_into, merge_problems
-
-from helpers import randomize_adapter
 
 
 def _lora_model(dtype: torch.dtype, seed: int = 0, **lora: object):
@@ -298,8 +297,9 @@ def test_generation_samples_merged_weights_and_leaves_the_base_restored(monkeypa
 
 
 def test_sampling_field_is_validated_at_config_time(tmp_path):
-    import trl_turbo  # noqa: F401  (the fields exist after import)
     from trl import GRPOConfig
+
+    import trl_turbo  # noqa: F401  (the fields exist after import)
 
     with pytest.raises(ValueError, match="turbo_vllm_sampling='fp16'"):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, turbo_vllm_sampling="fp16")

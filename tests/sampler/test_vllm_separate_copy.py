@@ -12,15 +12,13 @@ import warnings
 
 import pytest
 import torch
-from helpers import StandInVllmModel
-from helpers import needs_bnb, quantized_peft_model, tiny_llama
+from helpers import StandInVllmModel, needs_bnb, quantized_peft_model, tiny_llama
 
 from trl_turbo.patches import construction, trl_vllm
-from trl_turbo.vllm import engine_plan
-from trl_turbo.vllm import engine as vllm_engine
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
-from trl_turbo.vllm import dequantized
+from trl_turbo.vllm import dequantized, engine_plan
+from trl_turbo.vllm import engine as vllm_engine
 from trl_turbo.vllm.sharing import COPY, SHARED, sharing_mode
 
 NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16}

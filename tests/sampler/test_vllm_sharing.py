@@ -7,24 +7,22 @@ import types
 
 import pytest
 import torch
+from helpers import PACKED, StandInVllmModel
 
-from trl_turbo.vllm import engine as vllm_engine
 from trl_turbo.testing.models import ARCHITECTURES, tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
+from trl_turbo.vllm import engine as vllm_engine
 from trl_turbo.vllm.adapter import adapter_problems, adapter_tensors, lora_engine_kwargs
 from trl_turbo.vllm.kv_budget import (
     PROMPT_ALLOWANCE_TOKENS,
     auto_kv_cache_bytes,
-    kv_margin_bytes,
-    sampling_workspace_bytes,
     expected_seq_len,
     kv_bytes_per_token,
+    kv_margin_bytes,
+    sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
 from trl_turbo.vllm.weight_views import LayoutMismatch, plan_shared_views
-
-from helpers import PACKED, StandInVllmModel
-
 
 
 def _hf_shapes(model):

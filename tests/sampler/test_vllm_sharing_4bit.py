@@ -11,17 +11,17 @@ import warnings
 
 import pytest
 import torch
+from helpers import needs_bnb, quantized_peft_model
 
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
 from trl_turbo.vllm import quantized
 
-from helpers import needs_bnb, quantized_peft_model
 
 @needs_bnb
 @pytest.mark.parametrize("double_quant", [True, False], ids=["nf4-double", "nf4"])
 def test_loader_is_fed_packed_bytes_and_new_states_under_hf_names(tmp_path, double_quant):
-    from trl_turbo.vllm.engine import peft_base, hf_state_for_vllm
+    from trl_turbo.vllm.engine import hf_state_for_vllm, peft_base
 
     model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_use_double_quant=double_quant)

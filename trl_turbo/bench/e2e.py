@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from ..device_memory import cap_process_memory
-from . import parse_turbo_overrides
-from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
-from .results import DEFAULT_RESULTS_DIR, GIB
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
+from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
+from . import parse_turbo_overrides
 from .quantized_checkpoint import save_4bit_checkpoint
+from .results import DEFAULT_RESULTS_DIR, GIB
 
 # What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
 # KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the
@@ -244,6 +244,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
+
     from ..config import liger_layers_enabled
     from . import set_patched
 
@@ -433,9 +434,9 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from .results import metadata
-
     import torch
+
+    from .results import metadata
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..planning.shapes import LOSS_PRESETS
 from . import (
     fmt,
     free_memory,
@@ -33,7 +34,6 @@ from . import (
     synchronize,
 )
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
-from ..planning.shapes import LOSS_PRESETS
 
 IMPLS = ("trl", "liger", "turbo")
 EPSILON = 0.2  # GRPOConfig's default epsilon (epsilon_high defaults to it)

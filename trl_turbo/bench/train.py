@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..patches import trl_internals
+from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from . import (
     fmt,
     free_memory,
@@ -35,9 +37,7 @@ from . import (
     set_patched,
     synchronize,
 )
-from ..patches import trl_internals
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
-from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 
 # Config each variant adds to GRPOConfig; stock runs first, with trl_turbo unpatched. Each trainer built on the
 # shared model first removes what an earlier one installed, so every variant runs exactly its own features.

@@ -45,9 +45,9 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from ..device_memory import device_budget
+from ..ops.autocast_state import autocast_state, restored_autocast
 from ..ops.dequantized_linear import dequantized_bytes, dequantized_once
 from ..ops.gated_product import can_run_gated, gated_product
-from ..ops.autocast_state import autocast_state, restored_autocast
 from .checkpoint import _force_grad_leaf, is_recomputing
 from .memory_plan import in_kept_layer
 

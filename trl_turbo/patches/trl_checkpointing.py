@@ -18,7 +18,6 @@ from ..config import liger_layers_enabled, memory_plan
 from ..distributed import CHECKPOINTING_FEATURES, unsupported_features
 from ..host_memory import offload_budget_bytes
 from ..offload import CheckpointOffloader
-from ..vllm.engine_plan import generation_footprint
 from ..offload.install import (
     CheckpointingRuntime,
     detach_model,
@@ -28,6 +27,7 @@ from ..offload.install import (
     install_tiled_mlp,
     memory_planner,
 )
+from ..vllm.engine_plan import generation_footprint
 
 _logger = logging.getLogger("trl_turbo")
 _said_without_cuda: list[bool] = [False]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 
-from ..grpo import step_metrics
 from .. import registry
+from ..grpo import step_metrics
 
 
 def _wrap_training_step(original):

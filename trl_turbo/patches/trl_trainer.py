@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from ..grpo import loss_step
-from ..grpo.step_plan import fused_loss_enabled, holds_is_gate
-from ..grpo.sequence_groups import sequence_groups
-from ..ops import fused_logprobs
 from .. import registry
+from ..grpo import loss_step
+from ..grpo.sequence_groups import sequence_groups
+from ..grpo.step_plan import fused_loss_enabled, holds_is_gate
+from ..ops import fused_logprobs
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import functools
 import inspect
 
 from .. import registry
+from ..vllm.engine_plan import check_trainer_inputs
 from . import trl_checkpointing
 from .construction import constructing
 from .trl_trainer import check_loss_owner
-from ..vllm.engine_plan import check_trainer_inputs
 
 
 def _wrap_init(original):

@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from .. import registry
 from ..vllm import engine as vllm_engine
 from ..vllm import session as engine_session
 from ..vllm.adapter import adapter_config_dict, adapter_tensors
@@ -39,7 +40,6 @@ from ..vllm.engine_plan import (
 )
 from ..vllm.fp8 import FP8
 from ..vllm.sharing import SHARED
-from .. import registry
 from . import construction
 
 __all__ = ["apply"]

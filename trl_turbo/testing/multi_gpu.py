@@ -98,7 +98,7 @@ class _StepPeaks:
         self.bytes: list[int] = []
         self._scope = contextlib.ExitStack()
 
-    def __enter__(self) -> "_StepPeaks":
+    def __enter__(self) -> _StepPeaks:
         from trl_turbo import registry
         from trl_turbo.grpo import step_metrics
 

@@ -33,7 +33,6 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-
 DEFAULT_PATHS = ("tests/test_grpo_trainer.py",)
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 IMPORT_PLUGIN = "trl_suite_import_trl_turbo"  # the second run's `-p` module, written beside the extracted tests

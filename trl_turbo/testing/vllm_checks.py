@@ -51,14 +51,14 @@ def _frozen(trainer: Any) -> dict[str, torch.Tensor]:
 def copy_mismatches(llm: Any, model: torch.nn.Module) -> list[str]:
     """The frozen HF matrices whose dequantized values are not their rows of vLLM's weights (a separate copy), or
     that vLLM lacks."""
+    from trl_turbo.vllm.dequantized import dequantized_state
     from trl_turbo.vllm.engine import (
-        peft_base,
-        frozen_matrix_weights,
-        hf_state_for_vllm,
         driver_model,
         engine_dtype,
+        frozen_matrix_weights,
+        hf_state_for_vllm,
+        peft_base,
     )
-    from trl_turbo.vllm.dequantized import dequantized_state
     from trl_turbo.vllm.weight_views import plan_shared_views, view_of, vllm_weight_name
 
     base = peft_base(model)

@@ -162,5 +162,5 @@ def as_if_vllm_installed(monkeypatch: Any, version: str = "0.24.0", package: Pat
     monkeypatch.setattr(versions, "installed_version", lambda name: version if name == "vllm" else real(name))
     if package is not None:
         monkeypatch.setattr(vllm_contract, "installed_vllm_package", lambda: package)
-        monkeypatch.setattr("trl_turbo.config._noticed", set())
+        monkeypatch.setattr("trl_turbo.checks._noticed", set())
     vllm_contract._installed_verdict.cache_clear()

@@ -149,7 +149,7 @@ def test_liger_layers_default_is_on_only_for_one_cuda_process_with_liger(monkeyp
     import importlib.util
     import types
 
-    from trl_turbo.config import liger_layers_enabled
+    from trl_turbo.run_plan import liger_layers_enabled
 
     def args(**overrides):
         return types.SimpleNamespace(**{"turbo_liger_layers": None, "use_cpu": False, "world_size": 1,

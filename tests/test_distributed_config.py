@@ -10,8 +10,8 @@ import warnings
 import pytest
 from helpers import as_if_vllm_installed
 
-from trl_turbo import config as turbo_config
 from trl_turbo import losses
+from trl_turbo.checks import check_config
 from trl_turbo.distributed import FEATURE_STRATEGIES, Strategy, detect_strategy, local_process_count
 
 _LAUNCH_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
@@ -82,7 +82,7 @@ def test_offload_and_tiles_stay_off_with_a_warning_only_where_parameters_are_sha
     args = _args(_launch(monkeypatch, strategy), gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        turbo_config.validate(args)
+        check_config(args)
     ours = [w for w in caught if "trl_turbo" in str(w.message)]
     if strategy in WHOLE:
         assert not ours
@@ -91,7 +91,7 @@ def test_offload_and_tiles_stay_off_with_a_warning_only_where_parameters_are_sha
         message = str(ours[0].message)
         assert "`turbo_offload_checkpoints` and `turbo_tiled_mlp`" in message and strategy.value in message
         assert "DDP or ZeRO-1/2" in message  # names the alternative
-    from trl_turbo.patches.trl_checkpointing import strategy_keeps_stock_checkpointing
+    from trl_turbo.run_plan import strategy_keeps_stock_checkpointing
 
     assert strategy_keeps_stock_checkpointing(args) is (strategy not in WHOLE)
 
@@ -102,7 +102,7 @@ def test_no_warning_when_the_features_are_off_or_checkpointing_is(monkeypatch):
                    {"gradient_checkpointing": True, "turbo_offload_checkpoints": False, "turbo_tiled_mlp": False}):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            turbo_config.validate(_args(2, **fields))
+            check_config(_args(2, **fields))
 
 
 @pytest.mark.parametrize("strategy", list(Strategy), ids=lambda s: s.name)
@@ -110,20 +110,20 @@ def test_shared_weights_are_refused_before_loading_where_weights_are_sharded(mon
     as_if_vllm_installed(monkeypatch)
     world_size = _launch(monkeypatch, strategy)
     engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
-    turbo_config.validate(_args(world_size, turbo_vllm_standby=True, **engine))  # standby: every strategy
+    check_config(_args(world_size, turbo_vllm_standby=True, **engine))  # standby: every strategy
     shared = _args(world_size, turbo_vllm_shared_weights=True, turbo_vllm_standby=True, **engine)
     if strategy in WHOLE:
-        turbo_config.validate(shared)
+        check_config(shared)
     else:
         with pytest.raises(ValueError, match=rf"{strategy.value}.*Train with DDP.*turbo_vllm_standby=True"):
-            turbo_config.validate(shared)
+            check_config(shared)
 
 
 def test_engine_features_need_one_engine_per_process(monkeypatch):
     as_if_vllm_installed(monkeypatch)
     for switch in ("turbo_vllm_shared_weights", "turbo_vllm_standby"):
         with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1"):
-            turbo_config.validate(_args(2, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2,
+            check_config(_args(2, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2,
                                         **{switch: True}))
 
 
@@ -135,9 +135,9 @@ def test_features_every_strategy_supports_validate_everywhere(monkeypatch):
         with monkeypatch.context() as scoped:
             world_size = _launch(scoped, strategy)
             for loss_type in losses.LOSS_TYPES:
-                turbo_config.validate(_args(world_size, loss_type=loss_type, turbo_fused_loss=True))
+                check_config(_args(world_size, loss_type=loss_type, turbo_fused_loss=True))
             for mode in losses.IS_MODES:
-                turbo_config.validate(_args(world_size, use_vllm=True, vllm_mode="colocate", turbo_fused_loss=True,
+                check_config(_args(world_size, use_vllm=True, vllm_mode="colocate", turbo_fused_loss=True,
                                             vllm_importance_sampling_mode=mode))
 
 

@@ -1,5 +1,5 @@
-"""The package's import layering: kernels -> ops -> losses -> config -> features -> patches -> entry points, with the
-shared utilities below them all. Every `trl_turbo` import (module level or inside a function, read from the source
+"""The package's import layering: kernels -> ops -> losses -> config -> features -> checks and the run plan ->
+forecast and patches -> entry points, with the shared utilities below them all. Every `trl_turbo` import (module level or inside a function, read from the source
 with `ast`) must point to the same layer or a lower one, and no module may reach itself through its imports."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ LAYERS: dict[str, int] = {
     "ops": 2,
     "losses": 3,
     "config": 4,
-    "grpo": 5, "offload": 5, "vllm": 5, "tasks": 5, "planning": 5,
-    "patches": 6,
-    "__init__": 7, "cli": 7, "_launch": 7, "bench": 7, "testing": 7,
+    "grpo": 5, "offload": 5, "vllm": 5, "tasks": 5,
+    "checks": 6, "run_plan": 6,
+    "planning": 7, "patches": 7,
+    "__init__": 8, "cli": 8, "_launch": 8, "bench": 8, "testing": 8,
 }
 
 
@@ -122,7 +123,7 @@ def test_the_checks_fail_on_an_upward_import_and_a_circle(tmp_path):
     (package / "patches" / "__init__.py").write_text("")
     (package / "patches" / "seam.py").write_text("from ..ops import fused\n")
     graph = import_graph(package)
-    assert upward_imports(graph) == ["trl_turbo.ops.fused (layer 2) imports trl_turbo.patches.seam (layer 6)"]
+    assert upward_imports(graph) == ["trl_turbo.ops.fused (layer 2) imports trl_turbo.patches.seam (layer 7)"]
     assert cycles(graph) == [["trl_turbo.ops.fused", "trl_turbo.patches.seam"]]
     (package / "mystery.py").write_text("")
     with pytest.raises(AssertionError, match="no layer declared"):

@@ -1,28 +1,32 @@
-"""The GRPOConfig fields trl_turbo adds, and their validation.
+"""The GRPOConfig fields trl_turbo adds, their modes, and `Settings`, their typed reading.
 
 Design: the user surface stays TRL's own `GRPOConfig`. `install()` turns the fields below into real dataclass fields
 of `trl.GRPOConfig` (and of its subclasses that exist at that moment) in place, keeping class identity, so
 `GRPOConfig(turbo_...=...)`, `HfArgumentParser`, `TrlParser` YAML, `trl-turbo grpo --turbo_...`, pickling and
 `copy.deepcopy` all work. Every name starts with `turbo_` so it can never collide with a field TRL adds later.
-
-Validation lives in one place (`validate`), runs at the end of `GRPOConfig.__post_init__` — before any model is
-loaded — and raises `ValueError`s that name the fix.
+Each default is declared once, here; `Settings.of(config)` is the one place the fields are read (modes become
+StrEnums), and the checks of a config live in `trl_turbo.checks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import warnings
+import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from .families import LLAMA_NORM_MODEL_TYPES, MODEL_TYPES, SHARED_WEIGHT_MODEL_TYPES, listed
-from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec, validate_loss_options
+from .losses import LOSS_TYPES, TURBO_IS_MODES, TURBO_LOSS_TYPES, LossSpec
 
-VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-VLLM_SAMPLING_MODES = ("auto", "merged", "fp8", "lora")
-ROLLOUT_CHECK_MODES = ("warn", "error", "off")
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10
+
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
 # The loss spec's defaults are the defaults of the loss fields below (one source).
 _LOSS_DEFAULTS = LossSpec()
 # Loss fields that act in some loss types only -> those loss types.
@@ -285,74 +289,98 @@ class TurboFields:
 
 
 TURBO_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(TurboFields)
-MEMORY_PLANS = ("auto", "min", "off")
 
 
-def memory_plan(args: Any) -> str:
-    """The run's `turbo_memory_plan` (the field's default for an object without it)."""
-    return getattr(args, "turbo_memory_plan", "auto")
+class MemoryPlanMode(StrEnum):
+    AUTO = "auto"
+    MIN = "min"
+    OFF = "off"
 
 
-def validate(args: Any, installed: bool = True) -> None:
-    """Raise ValueError for unknown or conflicting trl_turbo settings (called in __post_init__). `installed=False`:
-    skip the checks of this machine's library versions (`trl-turbo plan` judges a config for another machine)."""
-    if args.turbo_liger_layers:
-        _validate_liger(args)
-    if args.turbo_logprob_chunk_tokens is not None and args.turbo_logprob_chunk_tokens < 1:
-        raise ValueError(
-            f"`turbo_logprob_chunk_tokens` must be a positive number of tokens or None, "
-            f"got {args.turbo_logprob_chunk_tokens}."
-        )
-    if args.turbo_tiled_mlp_tokens < 1:
-        raise ValueError(f"`turbo_tiled_mlp_tokens` must be a positive number, got {args.turbo_tiled_mlp_tokens}.")
-    if args.turbo_forward_token_budget is not None and args.turbo_forward_token_budget < 1:
-        raise ValueError(
-            f"`turbo_forward_token_budget` must be a positive number of tokens or None, got "
-            f"{args.turbo_forward_token_budget}."
-        )
-    if args.turbo_memory_plan not in MEMORY_PLANS:
-        raise ValueError(f"`turbo_memory_plan={args.turbo_memory_plan!r}` is not one of {', '.join(MEMORY_PLANS)}.")
-    training_memory = args.turbo_training_memory_gib
-    if training_memory is not None:
-        if not (math.isfinite(training_memory) and training_memory > 0):
-            raise ValueError(f"`turbo_training_memory_gib` must be a finite number of GiB > 0 or None, got "
-                             f"{training_memory}.")
-        if args.turbo_memory_plan != "auto" or not args.gradient_checkpointing:
-            setting = (f"`turbo_memory_plan={args.turbo_memory_plan!r}`" if args.turbo_memory_plan != "auto"
-                       else "`gradient_checkpointing=False`")
-            raise ValueError(f"`turbo_training_memory_gib` sizes the automatic memory plan; with {setting} nothing "
-                             "reads it. Set `turbo_memory_plan='auto'` with `gradient_checkpointing=True`, or remove "
-                             "`turbo_training_memory_gib`.")
-    budget = args.turbo_offload_host_budget_gib
-    if budget is not None and not (math.isfinite(budget) and budget >= 0):
-        raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
-    _check_memory_features_strategy(args)
-    _validate_vllm(args, installed)
-    if args.turbo_fused_loss and type(args).__name__ == "GRPOConfig":
-        check_loss_type_known(args.loss_type)
-    _check_vespo_is_mode(args)
-    turbo_only = turbo_loss_settings(args)
-    if turbo_only and not args.turbo_fused_loss:
-        raise ValueError(
-            f"{' and '.join(turbo_only)}: only trl_turbo's loss implements this (stock TRL does not know it), and "
-            "`turbo_fused_loss=False` switches that loss off. Set `turbo_fused_loss=True`, or remove these settings "
-            "and use TRL's values."
-        )
-    if (
-        args.vllm_importance_sampling_mode in TURBO_IS_MODES
-        and args.use_vllm
-        and args.vllm_importance_sampling_correction
-        and not args.turbo_reuse_policy_logps
-    ):
-        raise ValueError(
-            f"`vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}` is computed inside trl_turbo's "
-            "loss, from the old-policy log-probs where TRL computes them (num_iterations > 1 or generation "
-            "misaligned with optimizer steps) and from the training forward otherwise, so it needs "
-            "`turbo_reuse_policy_logps=True`."
-        )
-    if args.turbo_fused_loss:
-        validate_loss_options(args)
-        _check_loss_type_settings(args)
+class SamplingMode(StrEnum):
+    AUTO = "auto"
+    MERGED = "merged"
+    LORA = "lora"
+    FP8 = "fp8"
+
+
+class RolloutCheckMode(StrEnum):
+    WARN = "warn"
+    ERROR = "error"
+    OFF = "off"
+
+
+class KVCacheDtype(StrEnum):
+    AUTO = "auto"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not KVCacheDtype.AUTO
+
+
+# The fields whose values are modes -> their StrEnum (the values a field accepts).
+MODE_FIELDS: dict[str, type[StrEnum]] = {
+    "turbo_memory_plan": MemoryPlanMode,
+    "turbo_vllm_sampling": SamplingMode,
+    "turbo_rollout_check": RolloutCheckMode,
+    "turbo_vllm_kv_cache_dtype": KVCacheDtype,
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The `turbo_*` fields of a config, typed: modes as StrEnums, every field present. `Settings.of(config)` is the
+    one place a config's fields are read; a config built before `import trl_turbo` (or any object without the
+    fields) gets the fields' declared defaults."""
+
+    fused_loss: bool
+    reuse_policy_logps: bool
+    logprob_chunk_tokens: int | None
+    dual_clip: float | None
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    kl_cov_coef: float
+    memory_plan: MemoryPlanMode
+    training_memory_gib: float | None
+    offload_checkpoints: bool
+    offload_host_budget_gib: float | None
+    tiled_mlp: bool
+    tiled_mlp_tokens: int
+    forward_token_budget: int | None
+    lean_norms: bool
+    vllm_match_precision: bool
+    vllm_shared_weights: bool
+    vllm_sampling: SamplingMode
+    rollout_check: RolloutCheckMode
+    vllm_standby: bool
+    vllm_kv_cache_dtype: KVCacheDtype
+    liger_layers: bool | None
+
+    @classmethod
+    def of(cls, config: Any) -> Settings:
+        """The settings of `config` (a GRPOConfig, or any object with some `turbo_*` attributes; None: defaults).
+        Raises ValueError for a mode no StrEnum knows."""
+        values = {}
+        for item in TURBO_FIELDS:
+            value = getattr(config, item.name, item.default)
+            if item.name in MODE_FIELDS:
+                value = mode_value(item.name, value)
+            values[item.name.removeprefix("turbo_")] = value
+        return cls(**values)
+
+
+def mode_value(name: str, value: Any) -> StrEnum:
+    """`value` of mode field `name` as its StrEnum; ValueError naming the accepted values."""
+    modes = MODE_FIELDS[name]
+    try:
+        return modes(value)
+    except ValueError:
+        raise ValueError(f"`{name}={value!r}` is not one of {', '.join(m.value for m in modes)}.") from None
 
 
 def check_loss_type_known(loss_type: str) -> None:
@@ -384,162 +412,3 @@ def turbo_loss_settings(args: Any, *, with_loss_type: bool = True) -> list[str]:
 
 def _changed(args: Any, name: str) -> bool:
     return getattr(args, name) != getattr(_LOSS_DEFAULTS, name.removeprefix("turbo_"))
-
-
-def _check_loss_type_settings(args: Any) -> None:
-    inert = [name for name, loss_types in LOSS_TYPE_SETTINGS.items()
-             if args.loss_type not in loss_types and _changed(args, name)]
-    if inert:
-        acting = sorted({t for name in inert for t in LOSS_TYPE_SETTINGS[name]})
-        raise ValueError(
-            f"{', '.join(f'`{name}`' for name in inert)} only act with `loss_type` in {acting}; with "
-            f"`loss_type={args.loss_type!r}` they would have no effect. Remove them or change `loss_type`."
-        )
-
-
-def _check_vespo_is_mode(args: Any) -> None:
-    """TRL's own rule, raised in GRPOTrainer's constructor after the model has loaded: raised here instead."""
-    if (
-        args.loss_type == "vespo"
-        and args.use_vllm
-        and args.vllm_importance_sampling_correction
-        and args.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
-    ):
-        raise ValueError(
-            "`loss_type='vespo'` needs a token-level vLLM importance sampling correction: set "
-            "`vllm_importance_sampling_mode` to 'token_truncate' or 'token_mask' (got "
-            f"{args.vllm_importance_sampling_mode!r}), or `vllm_importance_sampling_correction=False`."
-        )
-
-
-def _check_memory_features_strategy(args: Any) -> None:
-    """Offloaded checkpointing and the tiled MLP need whole parameters per rank; elsewhere the run keeps
-    transformers' checkpointing and the plain MLP (the same on every rank: the strategy is read from the config and
-    the launcher's environment), and says so."""
-    from .distributed import CHECKPOINTING_FEATURES, unsupported_features
-
-    if not args.gradient_checkpointing:
-        return
-    wanted = [name for name in CHECKPOINTING_FEATURES if getattr(args, name)]
-    unsupported = unsupported_features(args, wanted)
-    if unsupported:
-        names = " and ".join(f"`{name}`" for name in unsupported)
-        warnings.warn(
-            f"trl_turbo: {names} stay off in this run: {next(iter(unsupported.values()))}. This run keeps "
-            "transformers' gradient checkpointing and the plain MLP; every other trl_turbo feature stays on. "
-            "Alternatives: DDP or ZeRO-1/2 keep these features; under ZeRO-3, DeepSpeed's `offload_param_device: "
-            "cpu` moves weights to the host; under FSDP, `fsdp_offload_params`. Set them to False to silence this.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-
-def liger_layers_enabled(args: Any) -> bool:
-    """`turbo_liger_layers` resolved: as set when True/False; None: on for a one-process CUDA run with liger-kernel
-    installed."""
-    from .distributed import Strategy, detect_strategy
-
-    setting = getattr(args, "turbo_liger_layers", None)
-    if setting is not None:
-        return bool(setting)
-    return _liger_unavailable(args) is None and detect_strategy(args) is Strategy.SINGLE
-
-
-def _liger_unavailable(args: Any) -> str | None:
-    """Why Liger's layers cannot run in this run (None: they can)."""
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("liger_kernel") is None:
-        return ("`turbo_liger_layers=True` needs Liger-Kernel: `pip install 'trl-turbo[liger]'`, or set "
-                "`turbo_liger_layers=False`.")
-    if getattr(args, "use_cpu", False) or not torch.cuda.is_available():
-        return ("`turbo_liger_layers=True` runs Liger's Triton kernels, which need a CUDA GPU; set "
-                "`turbo_liger_layers=False` on this machine.")
-    return None
-
-
-def _validate_liger(args: Any) -> None:
-    reason = _liger_unavailable(args)
-    if reason is not None:
-        raise ValueError(reason)
-
-
-_noticed: set[str] = set()
-
-
-def _notice_once(message: str) -> None:
-    if message not in _noticed:
-        _noticed.add(message)
-        warnings.warn(f"trl_turbo: {message}", UserWarning, stacklevel=4)
-
-
-def _validate_vllm(args: Any, installed: bool = True) -> None:
-    if args.turbo_vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
-        raise ValueError(f"`turbo_vllm_kv_cache_dtype={args.turbo_vllm_kv_cache_dtype!r}` is not one of "
-                         f"{', '.join(VLLM_KV_CACHE_DTYPES)}.")
-    if args.turbo_rollout_check not in ROLLOUT_CHECK_MODES:
-        raise ValueError(f"`turbo_rollout_check={args.turbo_rollout_check!r}` is not one of "
-                         f"{', '.join(ROLLOUT_CHECK_MODES)}.")
-    if args.turbo_vllm_sampling not in VLLM_SAMPLING_MODES:
-        raise ValueError(f"`turbo_vllm_sampling={args.turbo_vllm_sampling!r}` is not one of "
-                         f"{', '.join(VLLM_SAMPLING_MODES)}.")
-    if args.turbo_vllm_sampling == "fp8" and not args.vllm_importance_sampling_correction:
-        raise ValueError("`turbo_vllm_sampling='fp8'` samples from an fp8-quantized policy; the trainer must correct "
-                         "for the gap with importance sampling: set `vllm_importance_sampling_correction=True` (TRL's "
-                         "default), or use `turbo_vllm_sampling='merged'`.")
-    if args.turbo_vllm_sampling != "auto" and not args.turbo_vllm_shared_weights:
-        raise ValueError(f"`turbo_vllm_sampling={args.turbo_vllm_sampling!r}` chooses how the shared-weight engine "
-                         "samples; set `turbo_vllm_shared_weights=True` with it, or leave it at 'auto'.")
-    memory_features = [name for name in ("turbo_vllm_shared_weights", "turbo_vllm_standby") if getattr(args, name)]
-    engine_features = memory_features + (["turbo_vllm_kv_cache_dtype"] if args.turbo_vllm_kv_cache_dtype != "auto"
-                                         else [])
-    if not engine_features:
-        return
-    wanted = " and ".join(f"`{name}`" for name in engine_features)
-    if not args.use_vllm or args.vllm_mode != "colocate":
-        raise ValueError(f"{wanted} configure the colocated vLLM engine: set `use_vllm=True` and "
-                         f"`vllm_mode='colocate'` (got use_vllm={args.use_vllm}, vllm_mode={args.vllm_mode!r}).")
-    if memory_features and args.vllm_enable_sleep_mode:
-        raise ValueError(f"{' and '.join(memory_features)} keep vLLM's weights in place, which TRL's "
-                         "`vllm_enable_sleep_mode=True` would drop; set `vllm_enable_sleep_mode=False` "
-                         "(`turbo_vllm_standby=True` releases the KV cache instead).")
-    if memory_features and args.vllm_tensor_parallel_size != 1:
-        raise ValueError(f"{' and '.join(memory_features)} manage one whole engine per training process: set "
-                         f"`vllm_tensor_parallel_size=1` (got {args.vllm_tensor_parallel_size}).")
-    if args.turbo_vllm_shared_weights:
-        from .distributed import unsupported_features
-
-        reason = unsupported_features(args, ["turbo_vllm_shared_weights"]).get("turbo_vllm_shared_weights")
-        if reason is not None:
-            raise ValueError(f"`turbo_vllm_shared_weights=True` cannot work here: {reason}. Train with DDP "
-                             "(TRL's multi_gpu.yaml) or DeepSpeed ZeRO-1/2 to share weights, or set it to False "
-                             "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
-    if not installed:
-        return
-    from .versions import SUPPORTED_OPTIONAL, unsupported_reason
-    from .vllm_contract import FP8_KV_STANDBY, FP8_SAMPLING, installed_verdict
-
-    engine = installed_verdict()
-    if engine.error is not None:
-        raise ValueError(f"{wanted} cannot run on this vLLM: {engine.error}. Install a supported vLLM "
-                         "(`pip install 'trl-turbo[vllm]'`), or set them off.")
-    if engine.notice is not None:
-        _notice_once(engine.notice)
-        if args.turbo_rollout_check == "warn":
-            args.turbo_rollout_check = "error"
-    lost = engine.why_unavailable(FP8_SAMPLING)
-    if args.turbo_vllm_sampling == "fp8" and lost is not None:
-        raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot run on this vLLM: {lost}. Use "
-                         "`turbo_vllm_sampling='merged'` or 'lora', or install a vLLM that keeps fp8 sampling "
-                         "(`pip install 'trl-turbo[vllm]'`).")
-    lost = engine.why_unavailable(FP8_KV_STANDBY)
-    if args.turbo_vllm_kv_cache_dtype == "fp8" and args.turbo_vllm_standby and lost is not None:
-        raise ValueError(f"`turbo_vllm_kv_cache_dtype='fp8'` with `turbo_vllm_standby=True` cannot run on this vLLM: "
-                         f"{lost}. Keep the KV cache 16-bit (`turbo_vllm_kv_cache_dtype='auto'`), or install a vLLM "
-                         "that keeps it (`pip install 'trl-turbo[vllm]'`).")
-    reason = unsupported_reason({"peft": SUPPORTED_OPTIONAL["peft"]}) if args.turbo_vllm_shared_weights else None
-    if reason is not None:
-        raise ValueError(f"`turbo_vllm_shared_weights=True` reads the PEFT adapter's layers, tested with peft in "
-                         f"its supported range: {reason}. Install a supported peft, or set it to False.")

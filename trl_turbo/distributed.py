@@ -91,7 +91,7 @@ def detect_strategy(args: Any) -> Strategy:
         return Strategy.ZERO3 if stage == 3 else Strategy.ZERO2 if stage == 2 else Strategy.ZERO1  # 0: as 1
     if getattr(args, "fsdp", None) or _truthy(os.environ.get("ACCELERATE_USE_FSDP")):
         return Strategy.FSDP2 if _fsdp_version(args) == 2 else Strategy.FSDP1
-    return Strategy.DDP if args.world_size > 1 else Strategy.SINGLE
+    return Strategy.DDP if getattr(args, "world_size", 1) > 1 else Strategy.SINGLE
 
 
 def unsupported_features(args: Any, features: list[str]) -> dict[str, str]:

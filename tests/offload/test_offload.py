@@ -601,13 +601,13 @@ def test_a_short_device_tiles_the_mlp_finer_with_the_same_gradients():
 def test_without_cuda_the_automatic_plan_says_once_that_it_keeps_everything(tmp_path, monkeypatch, caplog):
     import logging
 
-    from trl_turbo.patches import trl_checkpointing
+    from trl_turbo.offload import setup
 
-    monkeypatch.setattr(trl_checkpointing, "_said_without_cuda", [False])
+    monkeypatch.setattr(setup, "_said_without_cuda", [False])
     with caplog.at_level(logging.INFO, logger="trl_turbo"):
         for _ in range(2):
             parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True), peft=True)
     said = [r.getMessage() for r in caplog.records if "no CUDA device" in r.getMessage()]
     assert len(said) == 1 and "keeps every layer's activations" in said[0]
-    monkeypatch.setattr(trl_checkpointing, "_said_without_cuda", [False])
-    assert trl_checkpointing.say_what_auto_means_without_cuda(object(), torch.device("cuda")) is None
+    monkeypatch.setattr(setup, "_said_without_cuda", [False])
+    assert setup.say_what_auto_means_without_cuda(object(), torch.device("cuda")) is None

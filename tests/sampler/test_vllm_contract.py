@@ -12,6 +12,8 @@ import pytest
 from helpers import as_if_vllm_installed
 
 from trl_turbo import vllm_contract
+from trl_turbo.config import Settings
+from trl_turbo.run_plan import rollout_check
 from trl_turbo.vllm_contract import CONTRACT, CONTRACT_0_25, check_sources, generation_for, verdict
 
 # vLLM 0.24's shape of everything the contract names, reduced to signatures and the lines the checks read.
@@ -223,7 +225,8 @@ def test_config_accepts_a_contract_checked_version_with_one_notice_and_the_alarm
         again = _grpo_config(turbo_vllm_standby=True, turbo_rollout_check="off")
     notices = [w for w in caught if "not GPU-verified" in str(w.message)]
     assert len(notices) == 1
-    assert config.turbo_rollout_check == "error" and again.turbo_rollout_check == "off"
+    assert config.turbo_rollout_check == "warn"  # the config is not changed by its checks
+    assert rollout_check(Settings.of(config)) == "error" and rollout_check(Settings.of(again)) == "off"
 
 
 def _without_bitsandbytes() -> dict[str, str]:
@@ -300,7 +303,7 @@ def test_fp8_sampling_is_refused_where_the_vllm_cannot_serve_it(tmp_path, monkey
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert _grpo_config(turbo_vllm_shared_weights=True).turbo_rollout_check == "error"
+            assert rollout_check(Settings.of(_grpo_config(turbo_vllm_shared_weights=True))) == "error"
             with pytest.raises(ValueError, match=r"turbo_vllm_sampling='fp8'.*cannot run on this vLLM.*fp8_per_tensor"):
                 _grpo_config(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8")
     finally:

@@ -156,7 +156,7 @@ def test_4bit_base_weights_are_dequantized_one_matrix_at_a_time(tmp_path):
 
 # ------------------------------------------------------------------------------- refused before the model loads
 def test_fp8_problems_name_what_stands_against_it():
-    from trl_turbo.vllm.engine_plan import fp8_problems
+    from trl_turbo.checks import fp8_problems
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     assert fp8_problems([], lora, (9, 0)) == []
@@ -187,17 +187,17 @@ def test_fp8_needs_importance_sampling_and_shared_weights(tmp_path, monkeypatch)
 
 
 def test_trainer_inputs_without_an_fp8_gpu_are_refused_before_loading(monkeypatch):
-    from trl_turbo.vllm import engine_plan
+    from trl_turbo import checks
 
-    monkeypatch.setattr(engine_plan.versions, "importable", lambda name: True)
-    monkeypatch.setattr(engine_plan, "_fp8_capability", lambda: (8, 0))
+    monkeypatch.setattr(checks.versions, "importable", lambda name: True)
+    monkeypatch.setattr(checks, "fp8_capability", lambda: (8, 0))
     config = types.SimpleNamespace(use_vllm=True, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
                                    model_init_kwargs=None)
     model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=1, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="compute capability 8.9"):
-        engine_plan.check_trainer_inputs(config, model, LoraConfig(r=4, target_modules="all-linear"))
-    monkeypatch.setattr(engine_plan, "_fp8_capability", lambda: (9, 0))
-    engine_plan.check_trainer_inputs(config, model, LoraConfig(r=4, target_modules="all-linear"))
+        checks.check_trainer_inputs(config, model, LoraConfig(r=4, target_modules="all-linear"))
+    monkeypatch.setattr(checks, "fp8_capability", lambda: (9, 0))
+    checks.check_trainer_inputs(config, model, LoraConfig(r=4, target_modules="all-linear"))
 
 
 def test_the_fp8_engine_quantizes_online_without_lora_slots():

@@ -299,7 +299,7 @@ def test_trainer_inputs_that_cannot_share_are_refused_or_copied_before_loading(t
     from peft import LoraConfig
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trl_turbo.vllm.engine_plan import check_trainer_inputs
+    from trl_turbo.checks import check_trainer_inputs
 
     config = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
     llama = tiny_model("llama", vocab_size=len(VOCAB))

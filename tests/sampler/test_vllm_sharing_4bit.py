@@ -126,7 +126,7 @@ def _one_warning(call) -> str:
 def test_quantized_trainer_inputs_are_checked_before_loading(tmp_path):
     from peft import LoraConfig
 
-    from trl_turbo.vllm.engine_plan import check_trainer_inputs
+    from trl_turbo.checks import check_trainer_inputs
 
     def config(**quantization):
         return types.SimpleNamespace(turbo_vllm_shared_weights=True,
@@ -165,7 +165,7 @@ def test_quantized_trainer_inputs_are_checked_before_loading(tmp_path):
 def test_every_route_to_a_quantized_model_is_checked(tmp_path):
     from peft import LoraConfig
 
-    from trl_turbo.vllm.engine_plan import check_trainer_inputs
+    from trl_turbo.checks import check_trainer_inputs
 
     plain = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
     checkpoint = tmp_path / "prequantized"

@@ -245,7 +245,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
 
-    from ..config import liger_layers_enabled
+    from ..run_plan import liger_layers_enabled
     from . import set_patched
 
     variant = spec["variant"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import memory_plan
+from ..config import MemoryPlanMode, Settings
 
 
 def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
@@ -25,8 +25,9 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     a forward and backward pass, and DDP's buffer broadcasts, ZeRO-3's and FSDP's gathers and their gradient
     reductions are collectives that every rank has to enter equally often. Ranks' completions are padded to
     different lengths, so a rank-local count could hang the run."""
-    budget = getattr(trainer.args, "turbo_forward_token_budget", None)
-    if (budget is None or memory_plan(trainer.args) == "off" or not (torch.is_grad_enabled() and trainer.model.training)
+    settings = Settings.of(trainer.args)
+    budget = settings.forward_token_budget
+    if (budget is None or settings.memory_plan is MemoryPlanMode.OFF or not (torch.is_grad_enabled() and trainer.model.training)
             or not splittable_loss(trainer)):
         return None
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..config import RolloutCheckMode, Settings
 from ..offload.memory_plan import MemoryPlanner, describe_plan, plan_metrics
 from ..vllm.engine_plan import drain_metrics
 from .rollout_check import RolloutCheck, RolloutMismatch
@@ -96,11 +97,11 @@ class _RolloutWatch:
         self.read = 0
 
 
-def check_rollout(trainer: Any, logged: Mapping[str, list[float]]) -> None:
+def check_rollout(trainer: Any, logged: Mapping[str, list[float]], mode: RolloutCheckMode | None = None) -> None:
     """Feed the gaps logged (in TRL's training metrics, `logged`) since the last call to the trainer's alarm; warn or
-    raise once when it trips."""
-    mode = getattr(trainer.args, "turbo_rollout_check", "off")
-    if mode == "off":
+    raise once when it trips. `mode`: the run plan's (default: the trainer's `turbo_rollout_check` as set)."""
+    mode = Settings.of(trainer.args).rollout_check if mode is None else mode
+    if mode is RolloutCheckMode.OFF:
         return
     values = logged.get(GAP_METRIC)
     if not values:
@@ -114,6 +115,6 @@ def check_rollout(trainer: Any, logged: Mapping[str, list[float]]) -> None:
     message = watch.check.observe(sum(new) / len(new))
     if message is None:
         return
-    if mode == "error":
+    if mode is RolloutCheckMode.ERROR:
         raise RolloutMismatch(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from .. import losses, registry
+from ..config import Settings
 
 
 def fused_loss_enabled(trainer: Any) -> bool:
-    return bool(getattr(trainer.args, "turbo_fused_loss", False)) and registry.is_active()
+    return Settings.of(trainer.args).fused_loss and registry.is_active()
 
 
 def generation_aligned(trainer: Any) -> bool:
@@ -28,7 +29,7 @@ def reuses_policy_logps(trainer: Any) -> bool:
     """True when TRL would run an old-log-prob forward only for vLLM IS correction, and its result would equal the
     training forward's detached log-probs (same weights: one iteration, generation aligned with optimizer steps)."""
     args = trainer.args
-    if not (fused_loss_enabled(trainer) and getattr(args, "turbo_reuse_policy_logps", False)):
+    if not (fused_loss_enabled(trainer) and Settings.of(args).reuse_policy_logps):
         return False
     return bool(generation_aligned(trainer) and trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import config as turbo_config
 from .. import registry
+from ..checks import check_config
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -31,7 +32,7 @@ def _wrap_post_init(original_post_init):
     @functools.wraps(original_post_init)
     def __post_init__(self, *args, **kwargs):
         original_post_init(self, *args, **kwargs)
-        turbo_config.validate(self)
+        check_config(self)
 
     __post_init__.__trl_turbo__ = True
     return __post_init__

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import registry
+from .. import registry, run_plan
 from ..grpo import step_metrics
 
 
@@ -21,7 +21,7 @@ def _wrap_training_step(original):
         logged = self._metrics["train"]
         for name, value in step_metrics.reduced_over_ranks(self.accelerator, step_metrics.step_values(self)).items():
             logged[name].append(value)
-        step_metrics.check_rollout(self, logged)
+        step_metrics.check_rollout(self, logged, run_plan.of(self).rollout_check)
         return loss
 
     return training_step

@@ -30,11 +30,11 @@ import contextvars
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .. import registry
+from ..config import Settings
 from ..grpo import loss_step
 from ..grpo.sequence_groups import sequence_groups
 from ..grpo.step_plan import fused_loss_enabled, holds_is_gate
@@ -102,7 +102,7 @@ def _wrap_get_per_token_logps(original):
         options = _HeadOptions(
             compute_entropy=bool(bound.arguments.get("compute_entropy", False)),
             entropy_grad=loss_step.entropy_gradient_wanted(),
-            chunk_tokens=self.args.turbo_logprob_chunk_tokens,
+            chunk_tokens=Settings.of(self.args).logprob_chunk_tokens,
         )
         token = _head_options.set(options)
         try:
@@ -127,36 +127,6 @@ def _wrap_generate_and_score(original):
             self.vllm_importance_sampling_correction = True
 
     return _generate_and_score_completions
-
-
-def check_loss_owner(trainer_cls: type, config: Any) -> None:
-    """Before the model loads: trl_turbo's loss settings against the class that will compute the loss. A TRL trainer
-    that overrides `_compute_loss` (GMPOTrainer) never runs trl_turbo's loss, so settings only that loss implements
-    would be ignored; a GRPOConfig subclass is not checked for unknown loss types at config time (its own trainer may
-    define them), so that check happens here, where the trainer is known (and only where both `compute_loss` and
-    `_compute_loss` are GRPOTrainer's). A user's override is left alone: it may call trl_turbo's loss through
-    `super()`."""
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    from ..config import check_loss_type_known, turbo_loss_settings
-
-    if config is None or not getattr(config, "turbo_fused_loss", False):
-        return  # the config's own validation refused trl_turbo-only settings
-    def owner_of(method: str) -> type:
-        return next(cls for cls in trainer_cls.__mro__ if method in cls.__dict__)
-
-    owner = owner_of("_compute_loss")
-    if owner is GRPOTrainer:  # its `_compute_loss` is trl_turbo's
-        if owner_of("compute_loss") is GRPOTrainer:
-            check_loss_type_known(config.loss_type)
-        return
-    # `loss_type` is not among them: TRL's own trainers with their own loss do not read it
-    ignored = turbo_loss_settings(config, with_loss_type=False) if owner.__module__.split(".")[0] == "trl" else []
-    if ignored:
-        raise ValueError(
-            f"{owner.__name__} computes its own loss (it overrides `_compute_loss`), so trl_turbo's loss "
-            f"never runs and {' and '.join(ignored)} would have no effect. Remove them, or train with GRPOTrainer."
-        )
 
 
 def _wrap_compute_loss(original):

@@ -1,11 +1,11 @@
-"""`GRPOTrainer.__init__`: the one wrapper around TRL's constructor.
+"""`GRPOTrainer.__init__`: the one wrapper around TRL's constructor, where the trainer's run plan is built.
 
-While TRL's constructor runs, the trainer's GRPOConfig is visible through `construction.constructing_config()`.
-Objects TRL builds inside it never receive the config, the vLLM engine among them, and this lets their patches read
-it. After the
-constructor, the model-side features are installed: lean norms, the checkpointing runtime, tiled MLPs. Before it,
-loss settings the trainer class would ignore or not know and inputs that the shared-weights engine cannot serve are
-refused, so no model loads for a run that would fail.
+Before TRL's constructor, the trainer-init checks (`checks.check_trainer`) refuse what the trainer class or the
+colocated engine cannot serve, so no model loads for a run that would fail, and the plan is begun
+(`run_plan.begin`). While TRL's constructor runs, the plan in progress is visible through
+`construction.constructing_plan()`: the vLLM seam records the engine plan in it. After the constructor the plan is
+finished and kept on the trainer (`run_plan.of(trainer)`), and the model-side features of its memory policy are
+installed (`patches.trl_checkpointing`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from __future__ import annotations
 import functools
 import inspect
 
-from .. import registry
-from ..vllm.engine_plan import check_trainer_inputs
+from .. import registry, run_plan
+from ..checks import check_trainer
 from . import trl_checkpointing
 from .construction import constructing
-from .trl_trainer import check_loss_owner
 
 
 def _wrap_init(original):
@@ -27,11 +26,14 @@ def _wrap_init(original):
     def __init__(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         config = bound.get("args")
-        check_loss_owner(type(self), config)
-        check_trainer_inputs(config, bound.get("model"), bound.get("peft_config"), bound.get("quantization_config"))
-        with constructing(config):
+        check_trainer(type(self), config, bound.get("model"), bound.get("peft_config"),
+                      bound.get("quantization_config"))
+        progress = run_plan.begin(config)
+        with constructing(progress):
             original(self, *args, **kwargs)
-        self._trl_turbo_checkpointing = trl_checkpointing.configure(self)
+        plan = run_plan.finish(progress, self)
+        self.__dict__[run_plan.PLAN_ATTRIBUTE] = plan
+        self._trl_turbo_checkpointing = trl_checkpointing.configure(self, plan)
 
     return __init__
 

@@ -27,19 +27,18 @@ import time
 from typing import Any
 
 from .. import registry
+from ..config import Settings
 from ..vllm import engine as vllm_engine
 from ..vllm import session as engine_session
 from ..vllm.adapter import adapter_config_dict, adapter_tensors
 from ..vllm.engine_plan import (
     ENGINE_STATE_ATTRIBUTE,
+    engine_facts,
     engine_kwargs,
-    engine_sampling,
-    engine_sharing,
     engine_state,
-    setting,
+    plan_engine,
+    warn_engine_plan,
 )
-from ..vllm.fp8 import FP8
-from ..vllm.sharing import SHARED
 from . import construction
 
 __all__ = ["apply"]
@@ -49,13 +48,17 @@ def _wrap_init_vllm(original):
     @functools.wraps(original)
     def _init_vllm(self):
         config = construction.constructing_config()
-        sharing = engine_sharing(self, config)
-        sampling = engine_sampling(self, config, sharing)
-        parked = None
-        if sharing is not None and (sharing.mode == SHARED or sampling == FP8):
-            parked = vllm_engine.ParkedWeights(self.model)  # one copy on the device even while vLLM starts
-        try:
-            kwargs = engine_kwargs(self, config, sharing, sampling)
+        settings = Settings.of(config)
+        colocate = self.mode == "colocate"
+        facts = engine_facts(self.model) if colocate and settings.vllm_shared_weights else None
+        plan = plan_engine(settings, facts, colocate=colocate)
+        progress = construction.constructing_plan()
+        if progress is not None and colocate:
+            progress.engine = plan
+        warn_engine_plan(plan, settings)
+        parked = vllm_engine.ParkedWeights(self.model) if plan.parks_while_starting else None
+        try:  # one copy on the device even while vLLM starts
+            kwargs = engine_kwargs(self, config, plan.sharing, plan.sampling)
             module = sys.modules[original.__module__]
             llm_cls = getattr(module, "LLM", None)
             if not kwargs or llm_cls is None:
@@ -65,13 +68,12 @@ def _wrap_init_vllm(original):
                 return llm_cls(*args, **{**llm_kwargs, **kwargs})
 
             feeding = contextlib.nullcontext()
-            if sharing is not None and kwargs.get("quantization") == "bitsandbytes":
+            if plan.sharing is not None and kwargs.get("quantization") == "bitsandbytes":
                 feeding = vllm_engine.feeding_4bit_weights(self.model)
             with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
                 result = original(self)
-            if sharing is not None or setting(config, "turbo_vllm_standby"):
-                setattr(self, ENGINE_STATE_ATTRIBUTE, engine_session.start_engine(self, config, parked, sharing,
-                                                                                   sampling))
+            if plan.sharing is not None or plan.standby:
+                setattr(self, ENGINE_STATE_ATTRIBUTE, engine_session.start_engine(self, plan, parked))
             return result
         finally:
             if parked is not None:

@@ -47,7 +47,8 @@ def _grpo_fields(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     the run's hardware), and the ModelConfig values; unknown names raise ValueError."""
     from trl import GRPOConfig
 
-    from ..config import TurboFields, validate
+    from ..checks import check_config
+    from ..config import TurboFields
 
     defaults: dict[str, Any] = {}
     for item in (*dataclasses.fields(GRPOConfig), *dataclasses.fields(TurboFields)):
@@ -63,7 +64,7 @@ def _grpo_fields(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if merged.get("steps_per_generation") is None:
         merged["steps_per_generation"] = merged.get("gradient_accumulation_steps", 1)
     args = types.SimpleNamespace(**merged, world_size=1)  # one process on one device
-    validate(args, installed=False)
+    check_config(args, installed=False)
     return args, model_values
 
 

@@ -39,6 +39,7 @@ class ModelSpec:
     parameters: int
     layer_linear_parameters: int  # weights of the decoder layers' linear modules (what 4-bit loading quantizes)
     lora_parameters: int  # trainable adapter parameters (0 without an adapter)
+    adapted_parameters: int  # weights of the linear modules the adapter is on
     head_dim: int
     key_value_heads: int
     max_position_embeddings: int
@@ -90,13 +91,14 @@ def model_spec(config: Any, lora_r: int | None = None, lora_targets: str | list[
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config()
     layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-    layer_linear = lora = 0
+    layer_linear = lora = adapted = 0
     for layer in layers:
         for name, module in layer.named_modules():
             if isinstance(module, torch.nn.Linear):
                 layer_linear += module.weight.numel()
                 if lora_r and _matches(name, lora_targets):
                     lora += lora_r * (module.in_features + module.out_features)
+                    adapted += module.weight.numel()
     hidden = text.hidden_size
     norms = sum(1 for m in layers[0].modules()
                 if "norm" in type(m).__name__.lower() and getattr(m, "weight", None) is not None
@@ -107,6 +109,6 @@ def model_spec(config: Any, lora_r: int | None = None, lora_targets: str | list[
         model_type=text.model_type, hidden_size=hidden, layers=len(layers), intermediate_size=text.intermediate_size,
         vocab_size=text.vocab_size, query_width=text.num_attention_heads * head_dim, key_value_width=kv_heads * head_dim,
         norms_per_layer=norms, parameters=sum(p.numel() for p in model.parameters()),
-        layer_linear_parameters=layer_linear, lora_parameters=lora, head_dim=head_dim, key_value_heads=kv_heads,
+        layer_linear_parameters=layer_linear, lora_parameters=lora, adapted_parameters=adapted, head_dim=head_dim, key_value_heads=kv_heads,
         max_position_embeddings=getattr(text, "max_position_embeddings", 0) or 0,
     )

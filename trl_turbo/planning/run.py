@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import memory_plan
-from ..families import SHARED_WEIGHT_MODEL_TYPES
+from ..config import MemoryPlanMode, SamplingMode
+from ..run_plan import RunPlan
+from ..run_plan import forecast as forecast_plan
+from ..vllm.engine_plan import EngineFacts
 from ..vllm.kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
@@ -22,6 +24,7 @@ from ..vllm.kv_budget import (
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
+from ..vllm.sharing import SHARED
 from .model_spec import ModelSpec
 from .training import CONTEXT_BYTES, MicroBatch, TrainingForecast, forecast_training
 
@@ -69,15 +72,55 @@ class RunForecast:
         return self.error is None and self.peak_bytes <= self.capacity_bytes and host_ok
 
 
-def _field(args: Any, name: str, default: Any) -> Any:
-    return getattr(args, name, default)
+def quantization_of(quantized_4bit: bool, nested_4bit: bool) -> dict[str, Any] | None:
+    """The bitsandbytes config `trl grpo --load_in_4bit` builds (None: 16-bit weights)."""
+    if not quantized_4bit:
+        return None
+    return {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": nested_4bit, "bnb_4bit_quant_storage": "uint8"}
+
+
+def spec_engine_facts(spec: ModelSpec, *, quantized_4bit: bool, nested_4bit: bool,
+                      host_capacity_bytes: int | None) -> EngineFacts:
+    """What the engine's plan reads of the policy model, from its counted config instead of a loaded model (one
+    process; an unknown host counts as large enough)."""
+    return EngineFacts(
+        model_type=spec.model_type, quantization=quantization_of(quantized_4bit, nested_4bit),
+        four_bit=quantized_4bit, layout_problems=(), merge_problems=(),
+        adapted_weight_bytes=2 * spec.adapted_parameters,
+        linear_weight_bytes=0 if quantized_4bit else 2 * spec.layer_linear_parameters,
+        processes_on_host=1, host_bytes=host_capacity_bytes if host_capacity_bytes is not None else 2**62)
+
+
+def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nested_4bit: bool = True,
+                host_capacity_bytes: int | None = None) -> RunPlan:
+    """The run plan of `args` (a GRPOConfig's fields) for the model `spec` counts, as a trainer on a CUDA device
+    would resolve it."""
+    facts = spec_engine_facts(spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
+                              host_capacity_bytes=host_capacity_bytes) if spec.lora_parameters else None
+    return forecast_plan(args, engine_facts=facts)
+
+
+def _trl_default(name: str) -> Any:
+    from trl import GRPOConfig
+
+    return GRPOConfig.__dataclass_fields__[name].default
+
+
+def _field(args: Any, name: str) -> Any:
+    """A TRL field of `args`, or TRL's default where `args` (a partial namespace) lacks it."""
+    return getattr(args, name, _trl_default(name))
 
 
 def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
                  quantized_4bit: bool = False, nested_4bit: bool = True, prompt_tokens: int = 256,
                  completion_tokens: int | None = None, stock: bool = False) -> RunForecast:
     """The run `args` (a GRPOConfig) describes, on one device of `capacity_bytes`; `stock=True`: as stock TRL would
-    run it (every trl_turbo field off). `nested_4bit`: 4-bit block scales double-quantized."""
+    run it (every trl_turbo field off). `nested_4bit`: 4-bit block scales double-quantized. trl_turbo's decisions
+    come from the run plan (`run_plan_of`)."""
+    plan = None if stock else run_plan_of(args, spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
+                                          host_capacity_bytes=host_capacity_bytes)
+    engine_plan = plan.engine if plan is not None else None
     completion = completion_tokens or args.max_completion_length
     batch = MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion)
     weights = spec.weight_bytes(quantized_4bit, nested_4bit)
@@ -87,18 +130,16 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         adapter = 0
     optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
     static = weights + adapter
-    colocated = bool(_field(args, "use_vllm", False)) and _field(args, "vllm_mode", "colocate") == "colocate"
-    plan = "off" if stock else memory_plan(args)
-    shared = not stock and colocated and _field(args, "turbo_vllm_shared_weights", False) \
-        and spec.model_type in SHARED_WEIGHT_MODEL_TYPES
-    standby = not stock and colocated and _field(args, "turbo_vllm_standby", False)
-    sampling = _field(args, "turbo_vllm_sampling", "auto")
-    fp8 = shared and sampling == "fp8"
+    colocated = bool(_field(args, "use_vllm")) and _field(args, "vllm_mode") == "colocate"
+    mode = MemoryPlanMode.OFF if plan is None else plan.memory.mode
+    shared = engine_plan is not None and engine_plan.sharing is not None and engine_plan.sharing.mode == SHARED
+    standby = engine_plan is not None and engine_plan.standby
+    fp8 = shared and engine_plan.sampling is SamplingMode.FP8
     error = None
     phases: list[Phase] = []
     engine_weights = engine_kv = engine_training = 0
     host_engine = 0
-    max_num_seqs = args.per_device_train_batch_size * _field(args, "steps_per_generation", 1) or 256
+    max_num_seqs = args.per_device_train_batch_size * (_field(args, "steps_per_generation") or 1) or 256
     step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
     workspace = VLLM_PROFILE_BYTES
     if quantized_4bit and not fp8:  # vLLM samples from the 4-bit weights (its own copy, or shared)
@@ -112,12 +153,12 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                 engine_weights += spec.vllm_undone_scale_bytes()
         else:  # vLLM's own copy, its 4-bit block scales in fp32
             engine_weights = spec.weight_bytes(quantized_4bit, nested_4bit=False)
-        utilization = _field(args, "vllm_gpu_memory_utilization", 0.3)
-        kv_dtype_bytes = 1 if str(_field(args, "turbo_vllm_kv_cache_dtype", "auto")).startswith("fp8") else 2
-        if (shared or standby) and utilization == 0.3:
+        utilization = _field(args, "vllm_gpu_memory_utilization")
+        kv_dtype_bytes = 1 if engine_plan is not None and engine_plan.kv_cache_dtype.is_fp8 else 2
+        if (shared or standby) and utilization == _trl_default("vllm_gpu_memory_utilization"):
             per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
                                            dtype_bytes=kv_dtype_bytes)
-            max_model_len = _field(args, "vllm_max_model_length", None)
+            max_model_len = _field(args, "vllm_max_model_length")
             useful = useful_kv_cache_bytes(
                 max_num_seqs=max_num_seqs,
                 seq_len=expected_seq_len(max_model_length=max_model_len, max_completion_length=completion),
@@ -138,31 +179,29 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         phases.append(Phase("start-up", static + engine, 0,
                             {"weights": weights, "adapter": adapter, "vLLM weights": engine_weights,
                              "KV cache": engine_kv, "vLLM workspace": workspace}))
-        merged_host = 2 * spec.layer_linear_parameters if (shared and sampling in ("auto", "merged")
-                                                          and not quantized_4bit) else 0
+        merged_host = 2 * spec.adapted_parameters if shared and engine_plan.sampling is SamplingMode.MERGED else 0
         phases.append(Phase("generation", static + optimizer + engine, merged_host,
                             {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                              "vLLM weights": engine_weights, "KV cache": engine_kv,
                              "vLLM workspace": workspace}))
         if standby:
             engine_training = engine_weights if not fp8 else 0
-        elif _field(args, "vllm_enable_sleep_mode", False):
+        elif _field(args, "vllm_enable_sleep_mode"):
             host_engine = engine_weights  # level-1 sleep: weights to host, KV cache dropped
         else:
             engine_training = engine
-    training_memory = _field(args, "turbo_training_memory_gib", None)
-    if training_memory is not None:
-        ceiling = int(training_memory * 2**30)
+    ceiling_gib = plan.memory.ceiling_gib if plan is not None else None
+    if ceiling_gib is not None:
+        ceiling = int(ceiling_gib * 2**30)
     else:
         # the generation's footprint as the device counts it (the run reads it device-wide, its context included)
         ceiling = phases[-1].device_bytes + CONTEXT_BYTES if (standby and phases) else None
     training = forecast_training(
-        spec, batch, mode=plan, capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
+        spec, batch, mode=mode, capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
         quantized_4bit=quantized_4bit,
-        forward_token_budget=_field(args, "turbo_forward_token_budget", 32768) if plan != "off" else None,
-        tiled_mlp_tokens=_field(args, "turbo_tiled_mlp_tokens", 16384) if _field(args, "turbo_tiled_mlp", True)
-        else None,
-        gradient_checkpointing=bool(_field(args, "gradient_checkpointing", True)), ceiling_bytes=ceiling)
+        forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,
+        tiled_mlp_tokens=plan.settings.tiled_mlp_tokens if plan is not None and plan.settings.tiled_mlp else None,
+        gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling)
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                          "vLLM resident": engine_training,
@@ -177,7 +216,7 @@ def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_
     """The longest completion (a multiple of 256 tokens, within the model's context) whose run fits; for "auto",
     judged by its most frugal plan, to which it falls back."""
     frugal = args
-    if not stock and memory_plan(args) == "auto":
+    if not stock and run_plan_of(args, spec).memory.mode is MemoryPlanMode.AUTO:
         frugal = Override(args, turbo_memory_plan="min")
 
     def fits(tokens: int) -> bool:

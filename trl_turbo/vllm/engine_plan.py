@@ -9,21 +9,22 @@ decides, and `trl_turbo.vllm.engine` is the one module that reaches into vLLM.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import versions
-from ..config import TurboFields
+from ..config import KVCacheDtype, SamplingMode, Settings
 from ..device_memory import device_budget
 from ..distributed import local_process_count
 from ..host_memory import available_host_bytes
-from .adapter import adapter_problems, lora_engine_kwargs
+from .adapter import lora_engine_kwargs
 from .dequantized import copy_bytes, dequantized_shape
-from .fp8 import FP8, Fp8Sampling, quantized_linear_modules
+from .fp8 import Fp8Sampling, quantized_linear_modules
 from .kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
@@ -32,36 +33,29 @@ from .kv_budget import (
     useful_kv_cache_bytes,
 )
 from .merge import (
-    MERGED,
     MergedSampling,
     adapted_weight_bytes,
-    choose_sampling,
     host_copy_problem,
     merge_problems,
 )
 from .quantized import (
-    compute_dtype_warning,
     four_bit_weights,
+    layout_problems,
     quantization_config_dict,
     statistics_bytes,
     vllm_quantization_config,
 )
-from .sharing import COPY, SHARED, Sharing, copy_reasons, fallback_warning, sharing_mode
+from .sharing import COPY, SHARED, Sharing, fallback_warning, sharing_for, sharing_mode
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 FP8_BYTES = 1
 _GIB = 2**30
 
 
-def setting(config: Any, name: str) -> Any:
-    """A trl_turbo field of `config`, or its default when `config` lacks it (a config built before the import)."""
-    return getattr(config, name, getattr(TurboFields, name))
-
-
 def vllm_dtype(generation: Any, config: Any) -> str | None:
     """The dtype vLLM should use for a `VLLMGeneration` built by a GRPOTrainer, or None to leave TRL's choice (also
     for a vLLM outside the range precision matching is tested with: a warning, and TRL's own choice)."""
-    if not setting(config, "turbo_vllm_match_precision") or generation.mode != "colocate":
+    if not Settings.of(config).vllm_match_precision or generation.mode != "colocate":
         return None
     reason = versions.unsupported_reason({"vllm": versions.SUPPORTED_OPTIONAL["vllm"]})
     if reason is not None:
@@ -71,145 +65,133 @@ def vllm_dtype(generation: Any, config: Any) -> str | None:
     return _DTYPES.get(str(generation.accelerator.mixed_precision))
 
 
-# ------------------------------------------------------------------------------------------ trainer inputs
-def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization_config: Any = None) -> None:
-    """Before the model loads: refuse a vLLM run without vLLM installed, and a shared-weights run no engine can serve
-    (no LoRA adapter, an adapter vLLM cannot take, quantization other than bitsandbytes), and warn when vLLM will
-    hold a separate copy."""
-    if config is not None and getattr(config, "use_vllm", False) and not versions.importable("vllm"):
-        raise ValueError("`use_vllm=True` needs vLLM, which is not installed: `pip install 'trl-turbo[vllm]'` "
-                         "(vLLM 0.24-0.31 for trl_turbo's engine features), or set `use_vllm=False`.")
-    if config is None or not setting(config, "turbo_vllm_shared_weights"):
-        return
-    adapter = peft_config
-    if adapter is None and hasattr(model, "peft_config"):
-        adapter = model.peft_config.get(getattr(model, "active_adapter", "default"))
-    if adapter is None:
-        raise ValueError("`turbo_vllm_shared_weights=True` shares the frozen base weights of a LoRA run; full "
-                         "fine-tuning changes every weight each step. Pass a `peft_config=LoraConfig(...)` to "
-                         "GRPOTrainer, or set `turbo_vllm_shared_weights=False`.")
-    problems = adapter_problems(adapter)
-    if problems:
-        raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
-                         f"{'; '.join(problems)}. Change the LoraConfig or set `turbo_vllm_shared_weights=False`.")
-    quantization = _quantization(model, config, quantization_config)
-    reasons = copy_reasons(quantization, _model_type(model, config))
-    if setting(config, "turbo_vllm_sampling") == FP8:
-        problems = fp8_problems(reasons, adapter, _fp8_capability())
-        if problems:
-            raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot serve this run: {'; '.join(problems)}. Use "
-                             "`turbo_vllm_sampling='merged'` (16-bit models) or 'lora'.")
-    if reasons:
-        warnings.warn(fallback_warning(reasons, quantization is not None), RuntimeWarning, stacklevel=4)
-    elif quantization is not None:  # shared 4-bit weights: vLLM's 4-bit layers compute in bf16
-        warning = compute_dtype_warning(quantization)
-        if warning:
-            warnings.warn(warning, RuntimeWarning, stacklevel=4)
-
-
-def _quantization(model: Any, config: Any, quantization_config: Any = None) -> dict[str, Any] | None:
-    """The policy's quantization config as a dict (None: not quantized), known before loading: GRPOTrainer's
-    `quantization_config` argument, else `model_init_kwargs`'s, else the checkpoint's own (pre-quantized)."""
-    if not isinstance(model, str):
-        return quantization_config_dict(getattr(getattr(model, "config", None), "quantization_config", None))
-    chosen = quantization_config or (config.model_init_kwargs or {}).get("quantization_config")
-    if chosen is not None:
-        return quantization_config_dict(chosen)
-    return quantization_config_dict(getattr(_hf_config(model, config), "quantization_config", None))
-
-
-def _fp8_capability() -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-
-
-def fp8_problems(copy_reasons: list[str], adapter: Any, capability: tuple[int, int] | None) -> list[str]:
-    """Why `turbo_vllm_sampling='fp8'` cannot serve a run (empty: it can), known before the model loads: vLLM's fp8
-    layers need an fp8 GPU (compute capability 8.9+); the fp8 copy is written from weights whose layout trl_turbo
-    maps (16-bit or bitsandbytes 4-bit: `copy_reasons` must be empty); and the adapter must sit on linear layers vLLM
-    quantizes (not embeddings or the LM head, which vLLM keeps in 16 bits)."""
-    problems = []
-    if capability is None or capability < (8, 9):
-        problems.append("vLLM's fp8 layers need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell)"
-                        + ("" if capability is None else f"; this one is {capability[0]}.{capability[1]}"))
-    problems += copy_reasons
-    targets = getattr(adapter, "target_modules", None) or ()
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    unquantized = sorted({t for t in targets if any(k in t for k in ("embed", "lm_head", "wte"))})
-    unquantized += sorted(getattr(adapter, "modules_to_save", None) or ())
-    if unquantized:
-        problems.append(f"the adapter adapts or trains {unquantized}, which vLLM keeps in 16 bits, unquantized")
-    return problems
-
-
-def _model_type(model: Any, config: Any) -> str | None:
-    hf_config = _hf_config(model, config) if isinstance(model, str) else getattr(model, "config", None)
-    return getattr(hf_config, "model_type", None)
-
-
-@functools.lru_cache(maxsize=8)
-def _checkpoint_config(model: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-
-
-def _hf_config(model: str, config: Any) -> Any:
-    kwargs = config.model_init_kwargs or {}
-    return _checkpoint_config(model, bool(kwargs.get("trust_remote_code", False)))
-
-
 # ------------------------------------------------------------------------------------------------- engine
-def engine_sharing(generation: Any, config: Any) -> Sharing | None:
-    """How this engine holds the base weights (None: TRL's way, without shared weights), decided once per engine."""
-    if generation.mode != "colocate" or config is None or not setting(config, "turbo_vllm_shared_weights"):
-        return None
-    sharing = sharing_mode(generation.model)
-    if sharing.unforeseen:  # only a loaded quantized model can show them
-        warnings.warn(fallback_warning(sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=3)
-    return sharing
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engine's plan reads of the policy model and the host: taken from a loaded model (`engine_facts`)
+    or, for a forecast, from the model's config (`trl_turbo.planning`)."""
+
+    model_type: str | None
+    quantization: Mapping[str, Any] | None  # the policy's quantization config (None: 16-bit)
+    four_bit: bool  # packed bitsandbytes 4-bit base weights
+    layout_problems: tuple[str, ...]  # 4-bit layers vLLM's would not line up with (only a loaded model shows them)
+    merge_problems: tuple[str, ...]  # why the adapter cannot be merged into the base weights
+    adapted_weight_bytes: int  # the adapted base matrices (merged sampling's host copy)
+    linear_weight_bytes: int  # the 16-bit linear base matrices vLLM quantizes (fp8 sampling parks them)
+    processes_on_host: int
+    host_bytes: int  # host memory available
 
 
-def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> str | None:
-    """How an engine with shared weights (or a separate copy) samples from the adapter, decided once per engine:
-    "merged" where it can serve, else "lora" (with a warning naming why when "merged" was asked for)."""
-    if sharing is None:
-        return None
-    requested = setting(config, "turbo_vllm_sampling")
-    if requested == FP8:  # refused before the model loaded where it cannot serve (`check_trainer_inputs`)
-        return FP8
-    model = generation.model
+def engine_facts(model: Any, host_bytes: int | None = None) -> EngineFacts:
+    """The facts of a loaded PEFT policy model (`host_bytes`: the host memory to plan with; default: available now)."""
+    quantization = quantization_config_dict(getattr(model.config, "quantization_config", None))
     adapter = model.active_adapter
+    four_bit = bool(four_bit_weights(model))
+    return EngineFacts(
+        model_type=getattr(model.config, "model_type", None),
+        quantization=quantization,
+        four_bit=four_bit,
+        layout_problems=tuple(layout_problems(model)) if quantization is not None else (),
+        merge_problems=tuple(merge_problems(model, adapter)),
+        adapted_weight_bytes=adapted_weight_bytes(model, adapter),
+        linear_weight_bytes=0 if four_bit else sum(m.weight.numel() * m.weight.element_size()
+                                                   for m in quantized_linear_modules(model)),
+        processes_on_host=local_process_count(),
+        host_bytes=available_host_bytes() if host_bytes is None else host_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How one colocated engine runs, decided once before vLLM is built."""
+
+    sharing: Sharing | None  # None: TRL's way (no shared weights, no separate copy made by trl_turbo)
+    sampling: SamplingMode | None  # how the adapter reaches the sampler (None without `sharing`)
+    sampling_problems: tuple[str, ...]  # why "merged" cannot serve (empty where it can)
+    parks_while_starting: bool  # the training model's frozen weights wait on the host while vLLM starts
+    fp8_parks_base: bool  # fp8 sampling moves the 16-bit linear weights to the host while vLLM samples
+    fp8_park_problem: str | None  # why they stay on the device
+    standby: bool
+    kv_cache_dtype: KVCacheDtype
+
+
+def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts) -> tuple[SamplingMode, list[str]]:
+    """The sampling mode of an engine with shared weights (or a separate copy), and why "merged" cannot serve:
+    "merged" where nothing stands against merging, else "lora"; "fp8" as asked (refused before the model loaded
+    where it cannot serve)."""
+    if requested is SamplingMode.FP8:
+        return SamplingMode.FP8, []
     problems = []
     if sharing.mode != SHARED:
         problems.append("vLLM holds a separate copy of the base weights")
-    elif four_bit_weights(model):
+    elif facts.four_bit:
         problems.append("the base weights are bitsandbytes 4-bit, which cannot hold a merged adapter")
     else:
-        problems += merge_problems(model, adapter)
-        host = host_copy_problem(adapted_weight_bytes(model, adapter), local_process_count(), available_host_bytes())
+        problems += facts.merge_problems
+        host = host_copy_problem(facts.adapted_weight_bytes, facts.processes_on_host, facts.host_bytes)
         if host is not None:
             problems.append(host)
-    mode = choose_sampling(requested, problems)
-    if requested == MERGED and mode != MERGED:
-        warnings.warn(f"trl_turbo: `turbo_vllm_sampling='merged'` cannot serve this run: {'; '.join(problems)}. vLLM "
-                      "samples through its LoRA layers instead (`turbo_vllm_sampling='lora'`, about 1.2x slower "
-                      "generation).", RuntimeWarning, stacklevel=3)
-    return mode
+    if requested is SamplingMode.LORA or problems:
+        return SamplingMode.LORA, problems
+    return SamplingMode.MERGED, problems
 
 
-def fp8_parks_base(model: Any) -> bool:
-    """Whether fp8 sampling moves the training model's 16-bit linear weights to the host while vLLM samples: yes,
-    unless they are 4-bit (little to gain) or the pinned host copy does not fit (then a warning names why)."""
-    if four_bit_weights(model):
-        return False
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in quantized_linear_modules(model))
-    problem = host_copy_problem(weight_bytes, local_process_count(), available_host_bytes())
-    if problem is not None:
+def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool = True) -> EnginePlan:
+    """The plan of an engine for a run with `settings` (`facts`: may be None without shared weights)."""
+    sharing = sampling = park_problem = None
+    problems: list[str] = []
+    if colocate and settings.vllm_shared_weights:
+        sharing = sharing_for(facts.quantization, facts.model_type, facts.layout_problems)
+        sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts)
+    fp8 = sampling is SamplingMode.FP8
+    if fp8 and not facts.four_bit:
+        park_problem = host_copy_problem(facts.linear_weight_bytes, facts.processes_on_host, facts.host_bytes)
+    return EnginePlan(
+        sharing=sharing, sampling=sampling, sampling_problems=tuple(problems),
+        parks_while_starting=sharing is not None and (sharing.mode == SHARED or fp8),
+        fp8_parks_base=fp8 and not facts.four_bit and park_problem is None, fp8_park_problem=park_problem,
+        standby=colocate and settings.vllm_standby, kv_cache_dtype=settings.vllm_kv_cache_dtype,
+    )
+
+
+def warn_engine_plan(plan: EnginePlan, settings: Settings) -> None:
+    """The run's warnings about its engine plan: a separate copy only the loaded model showed, "merged" asked for
+    where it cannot serve, fp8 sampling that keeps the 16-bit weights on the device."""
+    if plan.sharing is not None and plan.sharing.unforeseen:
+        warnings.warn(fallback_warning(plan.sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=3)
+    if settings.vllm_sampling is SamplingMode.MERGED and plan.sampling is not SamplingMode.MERGED:
+        warnings.warn(_merged_refused(plan.sampling_problems), RuntimeWarning, stacklevel=3)
+    if plan.fp8_park_problem is not None:
         warnings.warn(f"trl_turbo: fp8 sampling keeps the 16-bit base weights on the device while vLLM samples "
-                      f"(about 2 bytes per linear weight more in the generation phase): {problem}.", RuntimeWarning,
-                      stacklevel=3)
-        return False
-    return True
+                      f"(about 2 bytes per linear weight more in the generation phase): {plan.fp8_park_problem}.",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _merged_refused(problems: tuple[str, ...] | list[str]) -> str:
+    return (f"trl_turbo: `turbo_vllm_sampling='merged'` cannot serve this run: {'; '.join(problems)}. vLLM samples "
+            "through its LoRA layers instead (`turbo_vllm_sampling='lora'`, about 1.2x slower generation).")
+
+
+def engine_sharing(generation: Any, config: Any) -> Sharing | None:
+    """How this engine holds the base weights (None: TRL's way, without shared weights)."""
+    if generation.mode != "colocate" or config is None or not Settings.of(config).vllm_shared_weights:
+        return None
+    sharing = sharing_mode(generation.model)
+    if sharing.unforeseen:
+        warnings.warn(fallback_warning(sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=2)
+    return sharing
+
+
+def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> SamplingMode | None:
+    """How an engine with shared weights (or a separate copy) samples from the adapter: "merged" where it can
+    serve, else "lora" (with a warning naming why when "merged" was asked for)."""
+    if sharing is None:
+        return None
+    settings = Settings.of(config)
+    mode, problems = sampling_from(settings.vllm_sampling, sharing, engine_facts(generation.model))
+    if settings.vllm_sampling is SamplingMode.MERGED and mode is not SamplingMode.MERGED:
+        warnings.warn(_merged_refused(problems), RuntimeWarning, stacklevel=2)
+    return mode
 
 
 def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
@@ -220,14 +202,16 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
         kwargs["dtype"] = dtype
     if generation.mode != "colocate" or config is None:
         return kwargs
-    if setting(config, "turbo_vllm_kv_cache_dtype") != "auto":
-        kwargs["kv_cache_dtype"] = config.turbo_vllm_kv_cache_dtype
+    settings = Settings.of(config)
+    if settings.vllm_kv_cache_dtype.is_fp8:
+        kwargs["kv_cache_dtype"] = settings.vllm_kv_cache_dtype.value
     if sharing is not None:
         peft_model = generation.model
-        if sampling not in (MERGED, FP8):  # vLLM's plain (or fp8) layers: no LoRA slots, no LoRA ops in its graphs
+        # vLLM's plain (or fp8) layers: no LoRA slots, no LoRA ops in its graphs
+        if sampling not in (SamplingMode.MERGED, SamplingMode.FP8):
             kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
         quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
-        if sampling == FP8:
+        if sampling == SamplingMode.FP8:
             # vLLM quantizes its linear layers to fp8 online (dummy values first; `Fp8Sampling` writes them)
             kwargs.update(load_format="dummy", quantization="fp8")
             kwargs.setdefault("dtype", _sixteen_bit(_compute_dtype(peft_model)))
@@ -241,16 +225,16 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
                 "quantization_config": vllm_quantization_config(quantization or {"load_in_4bit": True})}
         else:
             kwargs["load_format"] = "dummy"  # the HF weights are copied in once the engine exists
-        if sharing.mode == COPY and sampling != FP8:
+        if sharing.mode == COPY and sampling != SamplingMode.FP8:
             kwargs["dtype"] = dtype or _sixteen_bit(peft_model.dtype)
             kwargs["quantization"] = None  # TRL passes "bitsandbytes" for a 4-bit model
             if quantization is not None:
                 # vLLM reads a quantized checkpoint's own quantization config when `quantization` is None
                 kwargs["hf_overrides"] = {"quantization_config": None}
-    if setting(config, "turbo_vllm_standby"):
+    if settings.vllm_standby:
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
         if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
-            kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing, setting(config, "turbo_vllm_kv_cache_dtype"),
+            kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing, settings.vllm_kv_cache_dtype,
                                                          sampling)
     return kwargs
 
@@ -300,8 +284,9 @@ def _vllm_weight_bytes(model: Any, sharing: Sharing | None, sampling: str | None
     """The device memory vLLM's weights will take beyond what is in use when the KV budget is computed."""
     if sharing is not None and sharing.mode == COPY:  # next to the training model's weights, which stay
         return copy_bytes(model)
-    if sampling == FP8:  # 1 byte per linear weight, plus every frozen weight parked on the host meanwhile: the 16-bit
-        # embeddings and LM head come back as vLLM's (shared), the linear weights as the training model's own
+    if sampling == SamplingMode.FP8:
+        # 1 byte per linear weight, plus every frozen weight parked on the host meanwhile: the 16-bit embeddings
+        # and LM head come back as vLLM's (shared), the linear weights as the training model's own
         fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in quantized_linear_modules(model))
         return fp8_bytes + sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's

@@ -18,23 +18,24 @@ from typing import Any
 
 import torch
 
+from ..config import SamplingMode
 from . import engine as vllm_engine
-from .engine_plan import EngineState, fp8_parks_base
-from .fp8 import FP8, Fp8Sampling
-from .merge import MERGED, MergedSampling
-from .sharing import SHARED, Sharing
+from .engine_plan import EnginePlan, EngineState
+from .fp8 import Fp8Sampling
+from .merge import MergedSampling
+from .sharing import SHARED
 
 _GIB = 2**30
 
 
-def start_engine(generation: Any, config: Any, parked: Any, sharing: Sharing | None,
-                 sampling: str | None) -> EngineState:
+def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> EngineState:
     """After vLLM is built: share (or copy) the base weights, set up the sampling mode, and release the KV cache when
     it stands by. `parked`: the training model's frozen weights waiting on the host while vLLM started."""
     state = EngineState()
     llm, model = generation.llm, generation.model
+    sharing, sampling = plan.sharing, plan.sampling
     release_with_kv = []
-    if sampling == FP8:
+    if sampling is SamplingMode.FP8:
         fp8 = vllm_engine.fp8_tensors(llm)
         state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device, fp8=fp8)
         views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
@@ -44,20 +45,20 @@ def start_engine(generation: Any, config: Any, parked: Any, sharing: Sharing | N
             state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device)
         else:
             state.copy_bytes = vllm_engine.copy_base_weights(llm, model)
-        if sampling == MERGED:
+        if sampling is SamplingMode.MERGED:
             state.merged = MergedSampling(model, model.active_adapter)
         else:
             state.adapters = vllm_engine.TensorAdapters(llm)
-    if config.turbo_vllm_standby:
+    if plan.standby:
         state.standby = vllm_engine.KVStandby(llm, also_release=release_with_kv)
         state.standby.release()
-    if sampling == FP8:
+    if sampling is SamplingMode.FP8:
         # The matrices the fp8 copy is written from come back to the device only now, after the KV cache and the
         # fp8 copy went: the engine started while they waited on the host
         if parked is not None:
             parked.unpark()
         state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
-                                park_base=fp8_parks_base(model))
+                                park_base=plan.fp8_parks_base)
     return state
 
 

@@ -60,11 +60,17 @@ def copy_reasons(quantization: Mapping[str, Any] | None, model_type: str | None)
 
 
 def sharing_mode(model: torch.nn.Module) -> Sharing:
-    """The mode of an engine for a loaded model (PEFT-wrapped or not): what `copy_reasons` names from its config, and
-    its 4-bit layers that would not line up with vLLM's."""
+    """The mode of an engine for a loaded model (PEFT-wrapped or not)."""
     quantization = quantization_config_dict(getattr(model.config, "quantization_config", None))
-    foreseen = copy_reasons(quantization, getattr(model.config, "model_type", None))
-    unforeseen = layout_problems(model) if quantization is not None and not foreseen else []
+    layout = layout_problems(model) if quantization is not None else []
+    return sharing_for(quantization, getattr(model.config, "model_type", None), layout)
+
+
+def sharing_for(quantization: Mapping[str, Any] | None, model_type: str | None, layout: Sequence[str]) -> Sharing:
+    """The mode of an engine: what `copy_reasons` names from the config, and `layout`, the 4-bit layers of the loaded
+    model that would not line up with vLLM's."""
+    foreseen = copy_reasons(quantization, model_type)
+    unforeseen = list(layout) if quantization is not None and not foreseen else []
     return Sharing(tuple(foreseen + unforeseen), tuple(unforeseen))
 
 

@@ -1,0 +1,150 @@
+"""ONE plan per trainer: the resolved settings, the distributed strategy, the engine plan and the memory policy.
+
+Design decision: every decision trl_turbo makes about a run is made once, here or in the pure feature function this
+module calls, and read everywhere else from the trainer's `RunPlan`. A run builds it in GRPOTrainer's constructor
+(`begin` before TRL's constructor: the settings and strategy, the checks of `trl_turbo.checks` having passed; the
+vLLM seam adds the engine plan once the policy model is loaded; `finish` adds the memory policy once the trainer's
+device is known). `trl-turbo plan` builds the same object (`forecast`) from the facts of a model counted on the meta
+device, so a forecast and a run read the same decisions. Per-step switches (`turbo_fused_loss`,
+`turbo_reuse_policy_logps`, `turbo_forward_token_budget`, ...) are read through `config.Settings.of(trainer.args)`,
+so a field changed on `trainer.args` after construction takes effect at the next step, as in stock TRL; the engine
+and memory decisions stay those made at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from .checks import liger_unavailable
+from .config import RolloutCheckMode, Settings
+from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
+from .offload.policy import MemoryPolicy, plan_memory
+from .vllm.engine_plan import EngineFacts, EnginePlan, generation_footprint, plan_engine
+
+PLAN_ATTRIBUTE = "_trl_turbo_plan"  # set on the GRPOTrainer by `patches.trl_trainer_init`
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    settings: Settings
+    strategy: Strategy
+    rollout_check: RolloutCheckMode  # as set, or ERROR where the installed vLLM is only checked against its sources
+    memory: MemoryPolicy
+    engine: EnginePlan | None  # None: no colocated vLLM engine
+
+    def describe(self) -> dict[str, Any]:
+        """The plan's decisions as plain values (what a forecast and a run are compared by)."""
+        engine = self.engine
+        return {
+            "strategy": self.strategy.value,
+            "rollout_check": self.rollout_check.value,
+            "memory": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(self.memory).items()},
+            "engine": None if engine is None else {
+                "sharing": None if engine.sharing is None else engine.sharing.mode,
+                "copy_reasons": None if engine.sharing is None else list(engine.sharing.reasons),
+                "sampling": None if engine.sampling is None else engine.sampling.value,
+                "parks_while_starting": engine.parks_while_starting, "fp8_parks_base": engine.fp8_parks_base,
+                "standby": engine.standby, "kv_cache_dtype": engine.kv_cache_dtype.value,
+            },
+        }
+
+
+# ---------------------------------------------------------------------------------------------- decisions
+def liger_layers_enabled(args: Any) -> bool:
+    """`turbo_liger_layers` resolved: as set when True/False; None: on for a one-process CUDA run with liger-kernel
+    installed (where its results were checked against stock)."""
+    setting = Settings.of(args).liger_layers
+    if setting is not None:
+        return bool(setting)
+    return liger_unavailable(args) is None and detect_strategy(args) is Strategy.SINGLE
+
+
+def strategy_refusal(args: Any) -> str | None:
+    """Why the run's strategy keeps transformers' checkpointing (ZeRO-3, FSDP: parameters are whole only inside
+    their module's call, where trl_turbo's checkpoint function and tiled MLP cannot reach them); None: it does not."""
+    unsupported = unsupported_features(args, list(CHECKPOINTING_FEATURES))
+    return next(iter(unsupported.values()), None)
+
+
+def strategy_keeps_stock_checkpointing(args: Any) -> bool:
+    return strategy_refusal(args) is not None
+
+
+def rollout_check(settings: Settings) -> RolloutCheckMode:
+    """The rollout alarm's mode: a warning becomes an error on a vLLM that is checked against its sources but not
+    GPU-verified (a silent mismatch there would otherwise go unnoticed), where the engine features are on."""
+    engine_features = settings.vllm_shared_weights or settings.vllm_standby or settings.vllm_kv_cache_dtype.is_fp8
+    if settings.rollout_check is not RolloutCheckMode.WARN or not engine_features:
+        return settings.rollout_check
+    from . import versions
+    from .vllm_contract import installed_verdict
+
+    if versions.importable("vllm") and installed_verdict().notice is not None:
+        return RolloutCheckMode.ERROR
+    return settings.rollout_check
+
+
+def _colocated(args: Any) -> bool:
+    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", "colocate") == "colocate"
+
+
+# ------------------------------------------------------------------------------------------------ the run
+@dataclass
+class PlanInProgress:
+    """The plan while GRPOTrainer's constructor runs (visible to the seams of what TRL builds inside it)."""
+
+    config: Any
+    settings: Settings
+    strategy: Strategy
+    engine: EnginePlan | None = None
+
+
+def begin(config: Any) -> PlanInProgress:
+    """Before TRL's constructor (`config`: the GRPOConfig passed to the trainer, or None for TRL's default one)."""
+    settings = Settings.of(config)
+    return PlanInProgress(config, settings, detect_strategy(config) if config is not None else Strategy.SINGLE)
+
+
+def finish(progress: PlanInProgress, trainer: Any) -> RunPlan:
+    """After TRL's constructor: the memory policy from the trainer's device and engine, and the whole plan."""
+    args = trainer.args
+    settings = progress.settings if progress.config is not None else Settings.of(args)
+    generation = getattr(trainer, "vllm_generation", None)
+    device = getattr(getattr(trainer, "accelerator", None), "device", None)
+    memory = plan_memory(
+        settings, gradient_checkpointing=bool(args.gradient_checkpointing), strategy_refusal=strategy_refusal(args),
+        cuda_device=getattr(device, "type", None) == "cuda", liger_enabled=liger_layers_enabled(args),
+        standby_engine=generation is not None and progress.engine is not None and progress.engine.standby)
+    strategy = detect_strategy(args)
+    return RunPlan(settings, strategy, rollout_check(settings), memory, progress.engine)
+
+
+def footprint_of(trainer: Any):
+    """The ceiling function of a standby engine: the device memory its last generation used (None once gone)."""
+    generation_ref = weakref.ref(trainer.vllm_generation)
+    return lambda: generation_footprint(generation_ref())
+
+
+def of(trainer: Any) -> RunPlan:
+    """The trainer's plan; one built from its config for a trainer constructed without trl_turbo's constructor."""
+    plan = trainer.__dict__.get(PLAN_ATTRIBUTE) if hasattr(trainer, "__dict__") else None
+    if plan is not None:
+        return plan
+    return forecast(trainer.args, engine_facts=None, cuda_device=False)
+
+
+# ------------------------------------------------------------------------------------------------ forecast
+def forecast(args: Any, *, engine_facts: EngineFacts | None, cuda_device: bool = True,
+             liger_enabled: bool = False) -> RunPlan:
+    """The plan of the run `args` describes, from facts instead of a loaded model and a trainer (`trl-turbo plan`;
+    `engine_facts`: the policy model's, needed with shared weights)."""
+    settings = Settings.of(args)
+    engine = plan_engine(settings, engine_facts) if _colocated(args) else None
+    memory = plan_memory(
+        settings, gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", True)),
+        strategy_refusal=strategy_refusal(args), cuda_device=cuda_device, liger_enabled=liger_enabled,
+        standby_engine=engine is not None and engine.standby)
+    return RunPlan(settings, detect_strategy(args), rollout_check(settings), memory, engine)

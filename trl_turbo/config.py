@@ -300,8 +300,8 @@ class MemoryPlanMode(StrEnum):
 class SamplingMode(StrEnum):
     AUTO = "auto"
     MERGED = "merged"
-    LORA = "lora"
     FP8 = "fp8"
+    LORA = "lora"
 
 
 class RolloutCheckMode(StrEnum):

@@ -79,10 +79,9 @@ def rollout_check(settings: Settings) -> RolloutCheckMode:
     engine_features = settings.vllm_shared_weights or settings.vllm_standby or settings.vllm_kv_cache_dtype.is_fp8
     if settings.rollout_check is not RolloutCheckMode.WARN or not engine_features:
         return settings.rollout_check
-    from . import versions
     from .vllm_contract import installed_verdict
 
-    if versions.importable("vllm") and installed_verdict().notice is not None:
+    if installed_verdict().notice is not None:  # None also where no vLLM is installed
         return RolloutCheckMode.ERROR
     return settings.rollout_check
 

@@ -261,6 +261,20 @@ def test_the_0_29_generation_runs_without_the_kv_wake_up_hook_but_not_an_fp8_kv_
         vllm_contract._installed_verdict.cache_clear()
 
 
+@pytest.mark.parametrize("fp8_format", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_kv_cache_format_is_refused_in_standby_where_the_vllm_cannot_keep_it(tmp_path, monkeypatch,
+                                                                                       fp8_format):
+    as_if_vllm_installed(monkeypatch, "0.30.0", _tree(tmp_path / "installed", FAKE_0_29))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _grpo_config(turbo_vllm_standby=False, turbo_vllm_kv_cache_dtype=fp8_format)
+            with pytest.raises(ValueError, match=rf"kv_cache_dtype='{fp8_format}'.*turbo_vllm_standby=True"):
+                _grpo_config(turbo_vllm_standby=True, turbo_vllm_kv_cache_dtype=fp8_format)
+    finally:
+        vllm_contract._installed_verdict.cache_clear()
+
+
 def test_the_0_29_adapter_renames_and_calls_the_wake_up_hook_only_where_it_exists():
     import types
 

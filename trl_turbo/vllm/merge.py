@@ -97,6 +97,8 @@ def merge_problems(peft_model: Any, adapter: str) -> list[str]:
 
 
 def _address(tensor: torch.Tensor) -> tuple[int, int]:
+    if tensor.is_meta:  # no storage to compare (a forecast's model): tied modules hold the same parameter object
+        return id(tensor), 0
     return tensor.untyped_storage().data_ptr(), tensor.storage_offset() * tensor.element_size()
 
 

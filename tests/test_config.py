@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +44,46 @@ def test_readme_field_table_is_generated_from_the_help_texts():
     assert field_table.updated(readme) == readme, "README's field table is stale: run `python scripts/field_table.py`"
     for turbo_field in TURBO_FIELDS:
         assert f"| `{turbo_field.name}` |" in readme and turbo_field.metadata["help"][:40].replace("|", "\\|") in readme
+
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_CELL = 300
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_github_anchor_matches_githubs_rule():
+    assert github_anchor("KV cache: standby and dtype") == "kv-cache-standby-and-dtype"
+    assert github_anchor("Lean norms and Liger's layers") == "lean-norms-and-ligers-layers"
+    assert github_anchor("`trl-turbo plan` and turbo_memory_plan") == "trl-turbo-plan-and-turbo_memory_plan"
+
+
+def test_readme_field_table_cells_are_short():
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index("<!-- fields:start"), readme.index("<!-- fields:end")
+    rows = [line for line in readme[start:end].splitlines() if line.startswith("| `")]
+    assert len(rows) == len(TURBO_FIELDS)
+    for row in rows:
+        for cell in re.split(r"(?<!\\)\|", row)[1:-1]:
+            assert len(cell.strip()) <= MAX_CELL, f"README field table cell over {MAX_CELL} characters: {cell.strip()}"
+
+
+def test_every_help_text_links_a_section_of_the_usage_guide():
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    in_code = False
+    anchors = set()
+    for line in usage.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            anchors.add(github_anchor(line.lstrip("#")))
+    for turbo_field in TURBO_FIELDS:
+        links = re.findall(r"See docs/usage\.md#([\w-]+)\.$", turbo_field.metadata["help"])
+        assert links, f"{turbo_field.name}'s help text does not end with 'See docs/usage.md#<section>.'"
+        assert links[0] in anchors, f"{turbo_field.name} links docs/usage.md#{links[0]}, which has no such heading"
 
 
 def test_kwargs_defaults_and_to_dict(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue #6's loss types and IS modes, against hand-computed numbers, the fused kernel, and TRL's own GMPOTrainer.
+"""trl_turbo's own loss types and IS modes, against hand-computed numbers, the fused kernel, and TRL's own GMPOTrainer.
 
 Design: the hand-computed cases call `losses.grpo_loss` on leaf [B, T] log-prob tensors whose expected loss and
 d(loss)/d(logp) are written out below (derivations in the comments), so a sign or normaliser error shows up as a

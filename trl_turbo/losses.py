@@ -12,7 +12,7 @@ differentiates it; the kernel only needs d(loss)/d(logp) and d(loss)/d(entropy) 
 Semantics follow TRL 1.16's `GRPOTrainer._compute_loss` and its generation-time IS ratio operation by operation
 (including the order of clamps), so that a patched trainer reproduces stock TRL's loss and gradients.
 
-Beyond TRL (issue #6), the same spec defines loss types and IS modes that only trl_turbo's loss can run
+Beyond TRL, the same spec defines loss types and IS modes that only trl_turbo's loss can run
 (`TURBO_LOSS_TYPES`, `TURBO_IS_MODES`): GMPO (the objective of TRL's experimental `GMPOTrainer._compute_loss`, term
 for term), Clip-Cov / KL-Cov (verl's selection semantics), GPPO, plain REINFORCE, a dual-clip bound for the
 ratio-clipping families, and geometric-mean sequence IS modes. The random Clip-Cov subset is drawn from a generator

@@ -1,4 +1,4 @@
-"""Learning checks for issue #6's loss types: each one, trained on the length-reward probe (a shipped toy task:
+"""Learning checks for trl_turbo's own loss types: each one, trained on the length-reward probe (a shipped toy task:
 reward = completion length / cap), raises the mean reward well above the same run with learning rate 0 and drives
 the mean completion length to the cap. Catches sign and normalisation errors that a wrong reference could share.
 

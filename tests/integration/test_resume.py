@@ -1,7 +1,7 @@
 """Resuming from a checkpoint with trl_turbo's defaults (fused loss, lean norms, tiled MLP, checkpointing on; CPU,
 no vLLM): the resumed run's loss, reward and grad-norm curves equal the uninterrupted run's, and the saved adapter
 loads in plain PEFT + transformers, without trl_turbo, giving the trainer's log-probs. The vLLM side of resuming
-(shared weights, standby, merged sampling) needs the GPU: issue #20."""
+(shared weights, standby, merged sampling) needs the GPU: tests/sampler/test_vllm_resume.py."""
 
 from __future__ import annotations
 

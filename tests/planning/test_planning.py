@@ -21,14 +21,13 @@ from trl_turbo.planning.training import MicroBatch, forecast_training
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 EXAMPLE = ROOT / "examples" / "grpo_llama8b.yaml"
-# Rows measured with the memory plan's standby ceiling (2026-11-25 01:00 on; rows from 66b6ee2 on also with the
-# 4096-token group floor and the small-device margin, which change none of these rows' plans); earlier rows measured
-# other plans.
+# Rows measured with the memory plan's standby ceiling (2026-11-25 01:00 on; later ones also with the 4096-token
+# group floor and the small-device margin, which change none of these rows' plans); earlier rows measured other plans.
 CURRENT_FROM = "2026-11-25T01:00"
 # "auto" keeps layers' activations as `offload.lean_activations` stores them, and picks sequence groups by their
 # priced cost, from this date on: its earlier rows measured layers that stored about 1.7x as much.
 AUTO_CURRENT_FROM = "2026-11-25T16:00"
-# Layers with a post-MLP norm (gemma2) reserve twice their plain bytes for the recompute since e7ebf86
+# Layers with a post-MLP norm (gemma2) reserve twice their plain bytes for the recompute in rows from this date on
 POST_MLP_NORM_AUTO_CURRENT_FROM = "2026-11-26T10:35"
 CAPACITY = {"NVIDIA H200": 143771 * 2**20, "NVIDIA H100 80GB HBM3": 81559 * 2**20}
 TOLERANCE = 0.10
@@ -170,7 +169,7 @@ def test_longer_completions_fit_on_larger_devices_and_with_trl_turbo():
 
 
 def test_a_70b_qlora_grpo_step_needs_50_gib_with_vllms_fp32_block_scales_and_stock_cannot_start_there():
-    # Issue #18's large cap: Llama-3.3-70B shape, NF4, colocated vLLM sharing the 4-bit weights, 1 prompt x 8 x 1024.
+    # The largest capped run: Llama-3.3-70B shape, NF4, colocated vLLM sharing the 4-bit weights, 1 prompt x 8 x 1024.
     # vLLM undoes double quantization (fp32 block scales, 4 GiB here), so 48 GiB leaves its KV cache no room, as the
     # GPU run refused at start-up (e2e-llama-3.3-70b-nf4-cap48gib-20261126-153600, 0.8 GiB short both ways).
     values = {"per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 1024, "use_peft": True,

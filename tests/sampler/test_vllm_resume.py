@@ -1,4 +1,4 @@
-"""GPU + vLLM: resuming from a checkpoint with shared weights, standby and merged sampling (issue #20, item 1). Three
+"""GPU + vLLM: resuming from a checkpoint with shared weights, standby and merged sampling. Three
 child processes (one vLLM engine each) over the toy task: the uninterrupted run, a run stopped after its checkpoint,
 and a new trainer resuming from that checkpoint in the second run's directory. The resumed steps' loss, reward and
 grad norm equal the uninterrupted run's within the tolerance rule (fp32 reductions of bf16 work: rtol 1e-3), and no

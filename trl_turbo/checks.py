@@ -256,7 +256,7 @@ def check_loss_owner(trainer_cls: type, config: Any) -> None:
     `super()`."""
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    if config is None or not Settings.of(config).fused_loss:
+    if config is None or not Settings.of(config).fused_loss or not issubclass(trainer_cls, GRPOTrainer):
         return  # the config's own validation refused trl_turbo-only settings
 
     def owner_of(method: str) -> type:

@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import liger_unavailable
+from .checks import check_trainer, liger_unavailable
 from .config import RolloutCheckMode, Settings
 from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
 from .offload.policy import MemoryPolicy, plan_memory
@@ -48,6 +48,7 @@ class RunPlan:
                 "sampling": None if engine.sampling is None else engine.sampling.value,
                 "parks_while_starting": engine.parks_while_starting, "fp8_parks_base": engine.fp8_parks_base,
                 "standby": engine.standby, "kv_cache_dtype": engine.kv_cache_dtype.value,
+                "kv_cache_bytes": engine.kv_cache_bytes,
             },
         }
 
@@ -101,8 +102,12 @@ class PlanInProgress:
     engine: EnginePlan | None = None
 
 
-def begin(config: Any) -> PlanInProgress:
-    """Before TRL's constructor (`config`: the GRPOConfig passed to the trainer, or None for TRL's default one)."""
+def begin(trainer_cls: type, config: Any, model: Any, peft_config: Any,
+          quantization_config: Any = None) -> PlanInProgress:
+    """Before TRL's constructor, from GRPOTrainer's arguments (`config`: the GRPOConfig, or None for TRL's default
+    one): the trainer-init checks (`checks.check_trainer`) refuse what no engine or loss can serve, then the plan
+    starts from the settings and the strategy."""
+    check_trainer(trainer_cls, config, model, peft_config, quantization_config)
     settings = Settings.of(config)
     return PlanInProgress(config, settings, detect_strategy(config) if config is not None else Strategy.SINGLE)
 

@@ -1,8 +1,7 @@
 """`GRPOTrainer.__init__`: the one wrapper around TRL's constructor, where the trainer's run plan is built.
 
-Before TRL's constructor, the trainer-init checks (`checks.check_trainer`) refuse what the trainer class or the
-colocated engine cannot serve, so no model loads for a run that would fail, and the plan is begun
-(`run_plan.begin`). While TRL's constructor runs, the plan in progress is visible through
+Before TRL's constructor the plan is begun (`run_plan.begin`), whose trainer-init checks refuse what the trainer
+class or the colocated engine cannot serve, so no model loads for a run that would fail. While TRL's constructor runs, the plan in progress is visible through
 `construction.constructing_plan()`: the vLLM seam records the engine plan in it. After the constructor the plan is
 finished and kept on the trainer (`run_plan.of(trainer)`), and the model-side features of its memory policy are
 installed (`patches.trl_checkpointing`).
@@ -14,7 +13,6 @@ import functools
 import inspect
 
 from .. import registry, run_plan
-from ..checks import check_trainer
 from . import trl_checkpointing
 from .construction import constructing
 
@@ -25,10 +23,8 @@ def _wrap_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
-        config = bound.get("args")
-        check_trainer(type(self), config, bound.get("model"), bound.get("peft_config"),
-                      bound.get("quantization_config"))
-        progress = run_plan.begin(config)
+        progress = run_plan.begin(type(self), bound.get("args"), bound.get("model"), bound.get("peft_config"),
+                                  bound.get("quantization_config"))
         with constructing(progress):
             original(self, *args, **kwargs)
         plan = run_plan.finish(progress, self)

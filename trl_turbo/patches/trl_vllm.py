@@ -21,6 +21,7 @@ Timings and memory go to the trainer's metrics under `vllm/`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -52,13 +53,14 @@ def _wrap_init_vllm(original):
         colocate = self.mode == "colocate"
         facts = engine_facts(self.model) if colocate and settings.vllm_shared_weights else None
         plan = plan_engine(settings, facts, colocate=colocate)
-        progress = construction.constructing_plan()
-        if progress is not None and colocate:
-            progress.engine = plan
         warn_engine_plan(plan, settings)
         parked = vllm_engine.ParkedWeights(self.model) if plan.parks_while_starting else None
         try:  # one copy on the device even while vLLM starts
             kwargs = engine_kwargs(self, config, plan.sharing, plan.sampling)
+            plan = dataclasses.replace(plan, engine_kwargs=dict(kwargs))
+            progress = construction.constructing_plan()
+            if progress is not None and colocate:
+                progress.engine = plan
             module = sys.modules[original.__module__]
             llm_cls = getattr(module, "LLM", None)
             if not kwargs or llm_cls is None:

@@ -23,7 +23,8 @@ def render(plan: Any) -> str:
         f"{'4-bit' if plan.quantized_4bit else '16-bit'}, {adapter})",
         f"device {turbo.capacity_bytes / _GIB:.1f} GiB, host {(turbo.host_capacity_bytes or 0) / _GIB:.1f} GiB; "
         f"micro-batch {args.per_device_train_batch_size} x ({turbo.prompt_tokens} prompt + "
-        f"{turbo.completion_tokens} completion) tokens; turbo_memory_plan={getattr(args, 'turbo_memory_plan', 'auto')}",
+        f"{turbo.completion_tokens} completion) tokens; turbo_memory_plan={turbo.plan.memory.mode.value}",
+        *_decisions(turbo.plan),
         "",
         f"{'phase':<12}{'trl_turbo device':>18}{'host':>9}{'stock TRL device':>20}{'host':>9}   (GiB)",
     ]
@@ -58,6 +59,29 @@ def render(plan: Any) -> str:
         if forecast.error:
             lines.append(f"{forecast.variant}: {forecast.error}")
     return "\n".join(lines)
+
+
+def _decisions(plan: Any) -> list[str]:
+    """The run plan's engine and memory decisions, as a run with this config would make them."""
+    lines = []
+    engine = plan.engine
+    if engine is not None and engine.sharing is not None:
+        held = ("shared with the trainer" if engine.sharing.mode == "shared"
+                else f"a separate 16-bit copy ({'; '.join(engine.sharing.reasons)})")
+        lines.append(f"vLLM: base weights {held}; {engine.sampling.value} sampling"
+                     + (f" ({'; '.join(engine.sampling_problems)})" if engine.sampling_problems else "")
+                     + ("; KV cache released while training (standby)" if engine.standby else ""))
+    elif engine is not None and engine.standby:
+        lines.append("vLLM: its own copy of the weights; KV cache released while training (standby)")
+    memory = plan.memory
+    features = [name for name, on in (("Liger layers", memory.liger), ("lean norms", memory.lean_norms),
+                                      ("trl_turbo's checkpointing", memory.checkpointing),
+                                      ("offloaded checkpoints", memory.offload),
+                                      ("tiled MLP", memory.tiled_mlp_tokens is not None)) if on]
+    lines.append(f"memory: {', '.join(features) or 'stock'}; ceiling {memory.ceiling.value}"
+                 + (f" ({memory.ceiling_gib} GiB)" if memory.ceiling_gib is not None else "")
+                 + "".join(f"; off: {why}" for why in memory.why_off))
+    return lines
 
 
 def _verdict(forecast: Any) -> str:

@@ -60,6 +60,7 @@ class RunForecast:
     phases: tuple[Phase, ...]
     training: TrainingForecast
     error: str | None = None  # why the run cannot start (vLLM's KV cache does not fit)
+    plan: RunPlan | None = None  # trl_turbo's decisions (None: stock TRL)
 
     @property
     def peak_bytes(self) -> int:
@@ -207,7 +208,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                          "vLLM resident": engine_training,
                          "activations": training.peak_bytes - static - optimizer - engine_training}))
     return RunForecast("stock" if stock else "turbo", capacity_bytes, host_capacity_bytes, completion,
-                       prompt_tokens, tuple(phases), training, error)
+                       prompt_tokens, tuple(phases), training, error, plan)
 
 
 def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,

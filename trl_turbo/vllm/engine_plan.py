@@ -113,6 +113,13 @@ class EnginePlan:
     fp8_park_problem: str | None  # why they stay on the device
     standby: bool
     kv_cache_dtype: KVCacheDtype
+    # what the run passed to vLLM's `LLM` (trl_turbo's arguments; a forecast has none)
+    engine_kwargs: Mapping[str, Any] | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The automatic KV budget passed to vLLM (None: vLLM sizes its cache from TRL's memory utilization)."""
+        return (self.engine_kwargs or {}).get("kv_cache_memory_bytes")
 
 
 def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts) -> tuple[SamplingMode, list[str]]:

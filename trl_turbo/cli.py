@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Any
 
 import trl_turbo  # noqa: F401  (patches TRL, adds the GRPOConfig fields)
+from trl_turbo import registry
 
 LAUNCH_SHIM = resources.files("trl_turbo").joinpath("_launch.py")
 
@@ -69,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     import trl.cli.accelerate_launcher as accelerate_launcher
     from trl.cli.main import main as trl_main
 
-    # Process-local and only for this command: `trl.cli.commands.training` imports the launcher at call time.
-    accelerate_launcher.launch_training_script = launch_training_script_with_turbo
-    return trl_main(argv)
+    # Only for this command (a scoped registry patch): `trl.cli.commands.training` imports the launcher at call time.
+    with registry.scoped(accelerate_launcher, "launch_training_script", launch_training_script_with_turbo):
+        return trl_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Reversible attribute patches: every patch trl_turbo makes on another library's objects goes through here.
+"""Reversible attribute patches: every patch trl_turbo makes on another library's objects goes through here, on
+classes and modules of TRL, transformers and vLLM and on instances alike (a model's modules, its checkpointing runtime,
+a bitsandbytes layer's forward for a dequantize-once scope).
 
 A patch is "set attribute `name` of `owner` to `value`". The registry remembers what was there before (or that
 nothing was), so `restore_all()` puts every original object back in reverse order. Applying the same patch twice is a
@@ -20,7 +22,7 @@ from typing import Any
 _MISSING = object()
 
 
-@dataclass
+@dataclass(eq=False)  # records are told apart by identity: their owners and values may not compare (tensors)
 class _Record:
     owner_ref: Any  # the owner, or a weakref to it for instance patches
     weak: bool

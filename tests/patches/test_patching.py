@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
 import trl.trainer.utils as trl_utils
+from helpers import needs_bnb, quantized_peft_model, token_batch
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_turbo
@@ -205,3 +207,201 @@ def test_every_permanent_patch_is_listed_and_on_a_host_library():
         module = getattr(owner, "__module__", None) or getattr(owner, "__name__", "")
         assert module.split(".")[0] in ("trl", "transformers", "peft", "vllm", "torch"), (owner, name)
         assert getattr(owner, name) is value, (owner, name)
+
+
+def test_scoped_patches_with_values_that_do_not_compare_restore_in_order():
+    import types
+
+    import torch
+
+    owner = types.SimpleNamespace(weight=torch.zeros(2))
+    original = owner.weight
+    with registry.scoped(owner, "weight", torch.ones(2)):
+        with registry.scoped(owner, "weight", torch.full((2,), 2.0)):
+            assert owner.weight[0] == 2
+        assert owner.weight[0] == 1
+    assert owner.weight is original
+    assert all(patch[0] is not owner for patch in registry.active_patches())
+
+
+# ------------------------------------------------------------------------------ patches on a model's instances
+def _instance_attributes(model) -> dict[tuple[str, str], object]:
+    """(module name, attribute) -> the object each module of `model` holds itself (its `__dict__`)."""
+    return {(name, attr): value for name, module in model.named_modules() for attr, value in vars(module).items()}
+
+
+def _class_attributes(model) -> dict[tuple[str, str], object]:
+    """(class, attribute) -> the object every class of `model`'s modules (and their bases) holds itself."""
+    classes = {cls for module in model.modules() for cls in type(module).__mro__}
+    return {(f"{cls.__module__}.{cls.__qualname__}", attr): value
+            for cls in classes for attr, value in vars(cls).items()}
+
+
+def _differences(before: dict, after: dict) -> list[str]:
+    """The keys whose object is not the same (or that only one side has)."""
+    return sorted(str(key) for key in before.keys() | after.keys()
+                  if before.get(key, before) is not after.get(key, after))
+
+
+def _unlisted_instance_changes(model, before: dict) -> list[str]:
+    """The instance attributes of `model`'s modules that differ from `before` without a registry patch in force that
+    set them to what they hold now."""
+    modules = dict(model.named_modules())
+    listed = {(id(owner), name) for owner, name, value in registry.active_patches() if getattr(owner, name) is value}
+    now = _instance_attributes(model)
+    changed = [key for key in before.keys() | now.keys() if before.get(key, before) is not now.get(key, now)]
+    return sorted(f"{module or '<model>'}.{attr}" for module, attr in changed
+                  if (id(modules[module]), attr) not in listed)
+
+
+@needs_bnb
+def test_every_change_to_a_model_is_a_listed_registry_patch_and_unpatch_restores_each_object(tmp_path,
+                                                                                              restore_patch_state):
+    """A tiny NF4 Llama with LoRA, checkpointed through trl_turbo's runtime with tiled MLPs (whose 4-bit weights are
+    dequantized once per tile loop) and lean norms: every attribute of every module that differs from the stock
+    model, after installation and inside a dequantize-once scope of a training pass, is a registry patch in force;
+    after the pass only the permanent ones remain, and `unpatch()` puts every module's and every class's original
+    objects back and leaves no patch listed."""
+    from trl_turbo.offload.install import CheckpointingRuntime, install_lean_norms, install_runtime, install_tiled_mlp
+    from trl_turbo.offload.lean_norm import LeanRMSNormForward
+    from trl_turbo.offload.tiled_mlp import TiledMLPForward
+    from trl_turbo.ops.dequantized_linear import OnceDequantizedForward, is_4bit_linear
+
+    peft_model = quantized_peft_model(tmp_path, bnb_4bit_quant_type="nf4", load_in_4bit=True)
+    model = peft_model.get_base_model()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = token_batch(length=12)
+
+    def train_pass():
+        peft_model.zero_grad(set_to_none=True)
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+
+    train_pass()  # bitsandbytes settles each layer's compute type at its first call
+    trl_turbo.unpatch()
+    stock_classes = _class_attributes(model)
+    assert trl_turbo.patch()
+    stock = _instance_attributes(model)
+
+    runtime = CheckpointingRuntime(None)
+    install_runtime(model, runtime)
+    assert install_lean_norms(model) and install_tiled_mlp(model, tile_tokens=4)
+    layers = model.model.layers
+    assert model._trl_turbo_checkpointing is runtime
+    assert (model, "_trl_turbo_checkpointing", runtime) in registry.active_patches()
+    assert all(layer._gradient_checkpointing_func is runtime.checkpoint_for(layer) for layer in layers)
+    assert all(isinstance(layer.mlp.forward, TiledMLPForward) for layer in layers)
+    assert all(isinstance(layer.input_layernorm.forward, LeanRMSNormForward) for layer in layers)
+    assert _unlisted_instance_changes(model, stock) == []
+    installed = _instance_attributes(model)
+
+    inside_scopes = []
+    mlp_4bit = [m for m in layers[0].mlp.modules() if is_4bit_linear(m)]  # gate, up, down
+
+    def record(module, args):
+        if "forward" in vars(module):  # inside the tiled MLP's dequantize-once scope
+            inside_scopes.append((_unlisted_instance_changes(model, stock), registry.scoped_patches()))
+
+    hook = mlp_4bit[0].register_forward_pre_hook(record)
+    try:
+        train_pass()
+    finally:
+        hook.remove()
+    assert inside_scopes, "no dequantize-once scope was entered"
+    for unlisted, scoped in inside_scopes:
+        assert unlisted == []
+        assert [(owner, name) for owner, name, _ in scoped] == [(m, "forward") for m in mlp_4bit]
+        assert all(isinstance(value, OnceDequantizedForward) for _, _, value in scoped)
+    assert registry.scoped_patches() == []
+    assert _differences(installed, _instance_attributes(model)) == []
+
+    trl_turbo.unpatch()
+    assert registry.active_patches() == []
+    assert _differences(stock, _instance_attributes(model)) == []
+    assert _differences(stock_classes, _class_attributes(model)) == []
+    assert not hasattr(model, "_trl_turbo_checkpointing")
+    train_pass()  # stock again: transformers' checkpointing, bitsandbytes' and the modeling code's forwards
+
+
+@needs_bnb
+def test_dequantized_once_forwards_are_scoped_registry_patches_gone_however_the_scope_ends():
+    import bitsandbytes as bnb
+    import torch
+
+    from trl_turbo.ops.dequantized_linear import OnceDequantizedForward, dequantized_once
+
+    def layer_4bit():
+        layer = bnb.nn.Linear4bit(32, 16, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(torch.randn(16, 32) * 0.05, requires_grad=False, quant_type="nf4")
+        return layer.to("cpu")
+
+    module = torch.nn.Sequential(layer_4bit(), torch.nn.Linear(16, 16), layer_4bit())
+    quantized = [module[0], module[2]]
+    module(torch.randn(2, 32))
+    for ending in ("normal", "exception"):
+        with contextlib.suppress(KeyboardInterrupt), dequantized_once(module):
+            scoped = registry.scoped_patches()
+            assert [(owner, name) for owner, name, _ in scoped] == [(layer, "forward") for layer in quantized]
+            assert all(isinstance(value, OnceDequantizedForward) and owner.forward is value
+                       for owner, _, value in scoped)
+            assert all(patch in registry.active_patches() for patch in scoped)
+            with dequantized_once(module):  # nested: the outer scope's forwards stay, nothing is added
+                assert registry.scoped_patches() == scoped
+            assert registry.scoped_patches() == scoped
+            if ending == "exception":
+                raise KeyboardInterrupt
+        assert registry.scoped_patches() == []
+        assert not any("forward" in vars(layer) for layer in quantized), ending
+
+
+# ------------------------------------------------------------------------------ scoped patches outside `patches/`
+def test_the_cli_points_trls_launcher_at_trl_turbo_only_for_the_command(monkeypatch):
+    import sys
+
+    import trl.cli.accelerate_launcher as accelerate_launcher
+    import trl.cli.main  # noqa: F401  (the module, which `trl.cli` shadows with its function)
+
+    from trl_turbo import cli
+
+    stock = accelerate_launcher.launch_training_script
+    seen = []
+
+    def trl_main(argv):
+        seen.append((accelerate_launcher.launch_training_script, registry.scoped_patches()))
+        if argv == ["fail"]:
+            raise SystemExit(3)
+        return 0
+
+    monkeypatch.setattr(sys.modules["trl.cli.main"], "main", trl_main)
+    assert cli.main(["grpo"]) == 0
+    with pytest.raises(SystemExit):
+        cli.main(["fail"])
+    for launcher, scoped in seen:
+        assert launcher is cli.launch_training_script_with_turbo
+        assert (accelerate_launcher, "launch_training_script", launcher) in scoped
+    assert accelerate_launcher.launch_training_script is stock
+    assert registry.scoped_patches() == []
+
+
+def test_the_e2e_benchmarks_timers_are_scoped_patches_on_the_generation_instance():
+    import types
+
+    from trl_turbo.bench import e2e
+
+    class Generation:
+        def generate(self):
+            return "generated"
+
+        def sync_weights(self):
+            return "synced"
+
+    generation = Generation()
+    trainer = types.SimpleNamespace(vllm_generation=generation, callbacks=[])
+    trainer.add_callback = trainer.callbacks.append
+    with contextlib.suppress(KeyboardInterrupt), e2e._instrument(trainer, sampler=None, steps=[], on_step=None):
+        assert {name for owner, name, _ in registry.scoped_patches() if owner is generation} == {
+            "generate", "sync_weights"}
+        raise KeyboardInterrupt
+    assert trainer.callbacks
+    assert registry.scoped_patches() == []
+    assert vars(generation) == {}

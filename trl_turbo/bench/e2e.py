@@ -6,9 +6,10 @@ same saved checkpoint, prompts, rewards and seeds. A vLLM engine lives as long a
 and CuMem pools are not meant to be torn down and rebuilt), and a process is what a user runs, so that is the unit
 measured. Device memory is sampled from the driver (``cudaMemGetInfo`` every 20 ms), because vLLM's pools bypass
 the statistics of torch's allocator; the step time is wall time between TRL's step callbacks, with the device
-synchronised. The instrumentation (timers around ``VLLMGeneration.generate``/``sync_weights`` on the instance, a
-callback) is the same for both variants and changes no behaviour. The checkpoint is a random-init model of a named
-shape, saved once with a word-level tokenizer over its whole vocabulary (nothing is downloaded).
+synchronised. The instrumentation (timers around ``VLLMGeneration.generate``/``sync_weights`` on the instance, as
+scoped ``trl_turbo.registry`` patches that last for the training run, and a callback) is the same for both variants
+and changes no behaviour. The checkpoint is a random-init model of a named shape, saved once with a word-level
+tokenizer over its whole vocabulary (nothing is downloaded).
 
 Several GPUs: a launch other than ``1gpu`` names one of TRL's shipped accelerate configs (``multi_gpu``, ``zero2``,
 …); the variant's child is then ``accelerate launch`` of this module, each rank samples its own GPU and writes its
@@ -20,6 +21,7 @@ completion tokens per second over all GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,9 +32,11 @@ import threading
 import time
 import traceback
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .. import registry
 from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
@@ -308,8 +312,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                 _row_path(spec).write_text(json.dumps(partial))
 
             save_progress()
-            _instrument(trainer, sampler, steps, save_progress)
-            trainer.train()
+            with _instrument(trainer, sampler, steps, save_progress):
+                trainer.train()
             row["ok"] = True
         except torch.OutOfMemoryError:
             traceback.print_exc()
@@ -332,15 +336,14 @@ def _row_path(spec: dict[str, Any]) -> Path:
     return Path(spec["row_dir"], f"row{os.environ.get('RANK', 0)}.json")
 
 
-def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]], on_step: Any) -> None:
-    """Time generation and weight sync (on the instance) and record each step's time and phase peaks (then call
-    `on_step`)."""
+@contextlib.contextmanager
+def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]], on_step: Any) -> Iterator[None]:
+    """For the block: time generation and weight sync (scoped registry patches on the instance) and record each
+    step's time and phase peaks (then call `on_step`)."""
     import torch
     from transformers import TrainerCallback
 
     generation, phases = trainer.vllm_generation, {}
-    generation.generate = _timed(sampler, "generation", phases, "generate_s", generation.generate)
-    generation.sync_weights = _timed(sampler, "generation", phases, "sync_s", generation.sync_weights)
 
     class StepRecorder(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -361,6 +364,11 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
             on_step()
 
     trainer.add_callback(StepRecorder())
+    with (registry.scoped(generation, "generate",
+                          _timed(sampler, "generation", phases, "generate_s", generation.generate)),
+          registry.scoped(generation, "sync_weights",
+                          _timed(sampler, "generation", phases, "sync_s", generation.sync_weights))):
+        yield
 
 
 def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:

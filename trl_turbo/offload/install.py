@@ -2,11 +2,11 @@
 them off again (`detach_model`).
 
 Design decision: every installation is per module instance and goes through `trl_turbo.registry` (held weakly), so
-`trl_turbo.unpatch()` undoes it and two models in one process never share state: the decoder layers' checkpoint
-functions (`_gradient_checkpointing_func`, only for the dense families in `families.DECODER_LAYER_CLASSES`), the
-MLPs' and RMSNorms' forwards. The seam that keeps the checkpoint functions in place across transformers' re-enables
-is `patches.transformers_checkpointing`; the GRPOTrainer side that decides what to install is
-`patches.trl_checkpointing`.
+`trl_turbo.unpatch()` undoes it and two models in one process never share state: the model's `CheckpointingRuntime`
+(`_trl_turbo_checkpointing`), the decoder layers' checkpoint functions (`_gradient_checkpointing_func`, only for the
+dense families in `families.DECODER_LAYER_CLASSES`), the MLPs' and RMSNorms' forwards. The seam that keeps the
+checkpoint functions in place across transformers' re-enables is `patches.transformers_checkpointing`; the
+GRPOTrainer side that decides what to install is `patches.trl_checkpointing`.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
 
 
 def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
-    """Attach `runtime` to `model`; its checkpointed layers use it now and after every later enable."""
-    model._trl_turbo_checkpointing = runtime
+    """Attach `runtime` to `model` (through the registry, replacing an earlier runtime; `trl_turbo.unpatch()` and
+    `detach_model` take it off); its checkpointed layers use it now and after every later enable."""
+    registry.replace_attr(model, "_trl_turbo_checkpointing", runtime, weak=True)
     runtime.number_layers(_decoder_layers(model))
     _configured.add(model)
     use_runtime_in_layers(model, runtime)
@@ -180,7 +181,7 @@ def detach_model(model: torch.nn.Module) -> None:
 
     for layer in _checkpointed_layers(model):
         registry.restore_attr(layer, "_gradient_checkpointing_func")
-    model.__dict__.pop("_trl_turbo_checkpointing", None)
+    registry.restore_attr(model, "_trl_turbo_checkpointing")
     _configured.discard(model)
     ours = (TiledMLPForward, LeanRMSNormForward, LigerRMSNormForward, LigerSwiGLUForward)
     for module in model.modules():

@@ -11,7 +11,8 @@ input gradients are bitwise the same; only the repeated dequantizations go. Ever
 own forward unchanged: a fused kernel's rows, CPU-packed weights or CPU inference calls that would pack them, a single
 row without grad, empty inputs, a layer not yet called or with a bias of another dtype, weights stored in another
 dtype than the compute dtype, and any call of a bitsandbytes whose fused-kernel rows are not known. The scope's
-forwards are instance attributes, removed when it ends, on exceptions too. `tests/ops/test_dequantized_linear.py`
+forwards are instance attributes set as scoped `trl_turbo.registry` patches (listed by `registry.active_patches()`
+while they last), removed when it ends, on exceptions too. `tests/ops/test_dequantized_linear.py`
 checks the bitwise claim against the installed bitsandbytes (CPU in CI, CUDA on the GPU).
 """
 
@@ -21,10 +22,12 @@ import functools
 import importlib
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from packaging.version import Version
+
+from .. import registry
 
 
 @functools.cache
@@ -106,14 +109,8 @@ class OnceDequantizedForward:
 @contextmanager
 def dequantized_once(module: torch.nn.Module) -> Iterator[None]:
     """Within the scope, each 4-bit linear layer of `module` dequantizes its weight once (module docstring)."""
-    installed = []
-    try:
+    with ExitStack() as scope:  # scoped registry patches: each layer's own forward comes back however it ends
         for layer in module.modules():
             if is_4bit_linear(layer) and "forward" not in layer.__dict__:
-                layer.forward = OnceDequantizedForward(layer)
-                installed.append(layer)
+                scope.enter_context(registry.scoped(layer, "forward", OnceDequantizedForward(layer)))
         yield
-    finally:
-        for layer in installed:
-            if isinstance(layer.__dict__.get("forward"), OnceDequantizedForward):
-                del layer.__dict__["forward"]

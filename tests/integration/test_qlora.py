@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 import torch
 
+from trl_turbo.offload.install import runtime_of
 from trl_turbo.testing import parity
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
@@ -61,7 +62,7 @@ def test_qlora_model_is_quantized_and_turbo_features_installed(tmp_path, quantiz
     base = trainer.model.get_base_model()
     expected = bnb.nn.Linear8bitLt if quantization == "int8" else bnb.nn.Linear4bit
     assert isinstance(base.model.layers[0].mlp.down_proj.base_layer, expected)
-    assert trainer._trl_turbo_checkpointing is not None
+    assert runtime_of(trainer.model) is not None
     tiles = [layer.mlp.forward for layer in base.model.layers]
     assert all(isinstance(tile, TiledMLPForward) and tile.grad_path for tile in tiles)
 

@@ -13,7 +13,7 @@ from helpers import checkpointed_grads, decoder_model, token_batch
 
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader
-from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, memory_planner
+from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, memory_planner, runtime_of
 from trl_turbo.offload.memory_plan import LayerPlan, describe_plan, plan_layers
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
@@ -190,12 +190,12 @@ def test_memory_plan_field_is_validated_and_defaults_to_auto(tmp_path):
 def test_off_installs_nothing_and_auto_plans_and_logs(tmp_path):
     off = parity.build_trainer(parity.base_config_kwargs(str(tmp_path / "off"), gradient_checkpointing=True,
                                                          turbo_memory_plan="off"), peft=True)
-    assert off._trl_turbo_checkpointing is None
+    assert runtime_of(off.model) is None
     layers = off.model.get_base_model().model.layers
     assert not any("forward" in module.__dict__ for layer in layers for module in layer.modules())  # no lean norms
     auto = parity.build_trainer(parity.base_config_kwargs(str(tmp_path / "auto"), gradient_checkpointing=True,
                                                           max_steps=1), peft=True)
-    assert auto._trl_turbo_checkpointing.planner is not None
+    assert runtime_of(auto.model).planner is not None
     auto.train()
     logged = next(log for log in auto.state.log_history if "memory_plan/kept_layers" in log)
     layers = len(auto.model.get_base_model().model.layers)
@@ -207,7 +207,7 @@ def _fake_device_budget(free_bytes: int):
     """`prepare_model` for `parity.run_training`: the trainer's planner sees a device with `free_bytes` free."""
     def prepare(model):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base._trl_turbo_checkpointing.planner.budget = lambda device: (free_bytes, 0, FAKE_CAPACITY)
+        runtime_of(base.model).planner.budget = lambda device: (free_bytes, 0, FAKE_CAPACITY)
     return prepare
 
 
@@ -328,9 +328,10 @@ def test_sequence_groups_follow_the_planned_group_size():
 
     asked = []
     planner = SimpleNamespace(group_tokens=lambda *args: asked.append(args) or 9000)
-    trainer = SimpleNamespace(_trl_turbo_checkpointing=SimpleNamespace(planner=planner))
+    trainer = SimpleNamespace(model=SimpleNamespace(_trl_turbo_checkpointing=SimpleNamespace(planner=planner)))
     assert planned_group_tokens(trainer, 16, 2100, 32768) == 9000 and asked == [(16, 2100, 32768)]
-    assert planned_group_tokens(SimpleNamespace(_trl_turbo_checkpointing=None), 16, 100, 32768) is None
+    assert planned_group_tokens(SimpleNamespace(model=SimpleNamespace(_trl_turbo_checkpointing=None)), 16, 100,
+                                32768) is None
 
 
 def test_the_first_layer_is_checkpointed_when_its_measured_cost_cannot_fit():

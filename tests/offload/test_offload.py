@@ -14,7 +14,7 @@ from helpers import checkpointed_grads, decoder_model, token_batch
 import trl_turbo
 from trl_turbo import registry
 from trl_turbo.offload import CheckpointOffloader, TiledMLPForward
-from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
+from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp, runtime_of
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
@@ -308,24 +308,24 @@ def test_trainer_installs_runtime_and_tiles(tmp_path):
     trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
                                                              turbo_tiled_mlp_tokens=4), peft=True)
     base = trainer.model.get_base_model()
-    assert trainer._trl_turbo_checkpointing is base._trl_turbo_checkpointing
-    assert trainer._trl_turbo_checkpointing.offloader is None  # no CUDA device: nothing to offload to
+    assert runtime_of(trainer.model) is base._trl_turbo_checkpointing
+    assert runtime_of(trainer.model).offloader is None  # no CUDA device: nothing to offload to
     assert all(isinstance(layer.mlp.forward, TiledMLPForward) for layer in base.model.layers)
 
 
 def test_training_memory_budget_is_the_plans_ceiling(tmp_path):
     trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
                                                              turbo_training_memory_gib=7.5), peft=True)
-    assert trainer._trl_turbo_checkpointing.planner.ceiling() == int(7.5 * 2**30)
+    assert runtime_of(trainer.model).planner.ceiling() == int(7.5 * 2**30)
     default = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True), peft=True)
-    assert default._trl_turbo_checkpointing.planner.ceiling is None  # no vLLM engine: the whole device
+    assert runtime_of(default.model).planner.ceiling is None  # no vLLM engine: the whole device
 
 
 def test_trainer_switches_off_install_nothing(tmp_path):
     trainer = parity.build_trainer(parity.base_config_kwargs(
         str(tmp_path), gradient_checkpointing=True, turbo_memory_plan="min", turbo_offload_checkpoints=False,
         turbo_tiled_mlp=False))
-    assert trainer._trl_turbo_checkpointing is None
+    assert runtime_of(trainer.model) is None
     assert not any("forward" in layer.mlp.__dict__ for layer in trainer.model.model.layers)
 
 
@@ -468,7 +468,7 @@ def test_gpu_200_grpo_steps_keep_device_and_host_memory_flat(tmp_path):
     )
     trainer = parity.build_trainer(config, peft=True, model_kwargs={"tie_word_embeddings": False,
                                                                     "hidden_size": 256, "layers": 4})
-    offloader = trainer._trl_turbo_checkpointing.offloader
+    offloader = runtime_of(trainer.model).offloader
     offloader.min_bytes = 0  # this model's activations are far below the production threshold
     device, host = [], []
 

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from trl_turbo import versions
+from trl_turbo.offload.install import runtime_of
 from trl_turbo.patches import construction, trl_trainer_init, trl_vllm
 
 
@@ -80,4 +81,4 @@ def test_config_is_visible_while_the_trainer_is_constructed():
     trl_trainer_init._wrap_init(trl_init)(trainer, "model", [], args=config)
     assert seen == [config]
     assert construction.constructing_config() is None  # only during the constructor
-    assert trainer._trl_turbo_checkpointing is None  # nothing to install without checkpointing
+    assert runtime_of(trainer.model) is None  # nothing to install without checkpointing

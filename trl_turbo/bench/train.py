@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..offload.install import runtime_of
 from ..patches import trl_internals
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from . import (
@@ -265,7 +266,7 @@ def run_length(model: torch.nn.Module, variant: str, completion_len: int, args: 
         row.update(measure(trainer, inputs, row["old_logps_pass"], device, args.steps, args.warmup))
         row["ok"] = True
         row["tokens_per_s"] = args.micro_batch * (args.prompt_len + completion_len) / row["step_s"]
-        runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
+        runtime = runtime_of(trainer.model)
         if runtime is not None and runtime.offloader is not None:
             stats = runtime.offloader.take_stats()  # summed over warm-up and timed steps
             row["offloaded_gib"] = stats.offloaded_bytes / GIB

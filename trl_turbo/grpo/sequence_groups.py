@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import MemoryPlanMode, Settings
+from ..offload.install import runtime_of
 
 
 def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
@@ -60,7 +61,7 @@ def planned_group_tokens(trainer: Any, sequences: int, length: int, budget: int)
     """With `turbo_memory_plan='auto'`: the group size in tokens the memory plan finds fastest for a micro-batch of
     `sequences` x `length` tokens within `budget` tokens a forward (`MemoryPlanner.group_tokens`); None before its
     first measurement, or without a plan."""
-    runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
+    runtime = runtime_of(trainer.model)
     planner = runtime.planner if runtime is not None else None
     return planner.group_tokens(sequences, length, budget) if planner is not None else None
 

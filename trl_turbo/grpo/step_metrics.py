@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..config import RolloutCheckMode, Settings
+from ..offload.install import runtime_of
 from ..offload.memory_plan import MemoryPlanner, describe_plan, plan_metrics
 from ..vllm.engine_plan import drain_metrics
 from .rollout_check import RolloutCheck, RolloutMismatch
@@ -47,7 +48,7 @@ def reduced_over_ranks(accelerator: Any, values: dict[str, float],
 def step_values(trainer: Any) -> dict[str, float]:
     """This rank's metrics for the micro-step that just ended."""
     values: dict[str, float] = {}
-    runtime = getattr(trainer, "_trl_turbo_checkpointing", None)
+    runtime = runtime_of(trainer.model)
     if runtime is not None and runtime.offloader is not None:
         stats = runtime.offloader.take_stats()
         values.update({

@@ -89,10 +89,20 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
                          untiled_recompute=untiled)
 
 
+RUNTIME_ATTRIBUTE = "_trl_turbo_checkpointing"
+
+
+def runtime_of(model: torch.nn.Module | None) -> CheckpointingRuntime | None:
+    """The checkpointing runtime installed on `model` (PEFT-wrapped or not; None: transformers' checkpointing)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    return getattr(base, RUNTIME_ATTRIBUTE, None)
+
+
 def install_runtime(model: torch.nn.Module, runtime: CheckpointingRuntime) -> None:
     """Attach `runtime` to `model` (through the registry, replacing an earlier runtime; `trl_turbo.unpatch()` and
     `detach_model` take it off); its checkpointed layers use it now and after every later enable."""
-    registry.replace_attr(model, "_trl_turbo_checkpointing", runtime, weak=True)
+    registry.replace_attr(model, RUNTIME_ATTRIBUTE, runtime, weak=True)
     runtime.number_layers(_decoder_layers(model))
     _configured.add(model)
     use_runtime_in_layers(model, runtime)
@@ -181,7 +191,7 @@ def detach_model(model: torch.nn.Module) -> None:
 
     for layer in _checkpointed_layers(model):
         registry.restore_attr(layer, "_gradient_checkpointing_func")
-    registry.restore_attr(model, "_trl_turbo_checkpointing")
+    registry.restore_attr(model, RUNTIME_ATTRIBUTE)
     _configured.discard(model)
     ours = (TiledMLPForward, LeanRMSNormForward, LigerRMSNormForward, LigerSwiGLUForward)
     for module in model.modules():

@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 
 from .. import registry
-from ..offload.install import detach_all_models, use_runtime_in_layers
+from ..offload.install import detach_all_models, runtime_of, use_runtime_in_layers
 
 
 def _wrap_set_gradient_checkpointing(original):
     @functools.wraps(original)
     def _set_gradient_checkpointing(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        runtime = getattr(self, "_trl_turbo_checkpointing", None)
+        runtime = runtime_of(self)
         if runtime is not None:
             use_runtime_in_layers(self, runtime)
         return result

@@ -120,11 +120,8 @@ def _wrap_generate_and_score(original):
             return original(self, inputs)
         # TRL reads this instance attribute to decide on the old-logps forward and the IS ratio; the loss takes
         # both over (see module docstring). Restored even if generation raises.
-        self.vllm_importance_sampling_correction = False
-        try:
+        with registry.scoped(self, "vllm_importance_sampling_correction", False):
             return original(self, inputs)
-        finally:
-            self.vllm_importance_sampling_correction = True
 
     return _generate_and_score_completions
 

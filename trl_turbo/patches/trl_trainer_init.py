@@ -29,7 +29,7 @@ def _wrap_init(original):
             original(self, *args, **kwargs)
         plan = run_plan.finish(progress, self)
         self.__dict__[run_plan.PLAN_ATTRIBUTE] = plan
-        self._trl_turbo_checkpointing = trl_checkpointing.configure(self, plan)
+        trl_checkpointing.configure(self, plan)
 
     return __init__
 

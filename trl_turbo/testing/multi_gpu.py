@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from trl_turbo.offload.install import runtime_of
 from trl_turbo.patches import trl_internals
 
 GLOBAL_BATCH = 8
@@ -161,7 +162,7 @@ def run(out: str, steps: int, variant: str) -> None:
             "metrics": {key: [log.get(key) for log in history] for key in sorted(history[-1])
                         if key.startswith(("offload/", "memory/", "reward", "completions/"))},
             "peak_gib_per_rank": peaks,
-            "turbo_checkpointing": getattr(trainer, "_trl_turbo_checkpointing", None) is not None,
+            "turbo_checkpointing": runtime_of(trainer.model) is not None,
         }
         with open(out, "w") as handle:
             json.dump(result, handle, indent=1)

@@ -1,6 +1,7 @@
 """The package's import layering: kernels -> ops -> losses -> config -> features -> checks and the run plan ->
-forecast and patches -> entry points, with the shared utilities below them all. Every `trl_turbo` import (module level or inside a function, read from the source
-with `ast`) must point to the same layer or a lower one, and no module may reach itself through its imports."""
+forecast and patches -> entry points, with the shared utilities below them all. Every `trl_turbo` import (module level
+or inside a function, read from the source with `ast`) must point to the same layer or a lower one, and no module may
+reach itself through its imports."""
 
 from __future__ import annotations
 

@@ -5,15 +5,16 @@ Design decision: a version trl_turbo cannot run on the GPU is judged by reading 
 each requirement names a file of the `vllm` package, a class or function in it, the parameters trl_turbo passes, and
 what its body must or must not contain where trl_turbo relies on a behaviour, not only a name (how vLLM's adapter
 loader maps names, which allocations its allocator's wake-up remaps, whether its runner offers the KV wake-up hook).
-Versions sharing those behaviours form an API generation with one contract, and `vllm/engine.py` one adapter. `check_sources` parses the files with `ast`, so any version can be checked on any machine; the
-sources come from `scripts/fetch_vllm_sources.py` (a git-ignored cache), and CI checks the checker on small fake
-trees. The installed vLLM is judged the same way (its sources found without importing it): a GPU-verified version
-runs as is; another version within TRL's range runs when its sources keep the contract, with a one-line notice and
-the rollout alarm raised to "error"; any other gets a config-time error naming the version, what broke, and the
-supported versions. A requirement only one feature needs (`Requirement.feature`: vLLM's bitsandbytes loader for shared
-4-bit weights, its online fp8 layers for fp8 sampling, the runner's KV wake-up hook for an fp8 KV cache in standby)
-takes only that feature away where it breaks: 4-bit weights then go to vLLM as a separate 16-bit copy, and asking for
-the other two is a config-time error naming why.
+Versions sharing those behaviours form an API generation with one contract, and `vllm/engine.py` one adapter.
+`check_sources` parses the files with `ast`, so any version can be checked on any machine; the sources come from
+`scripts/fetch_vllm_sources.py` (a git-ignored cache), and CI checks the checker on small fake trees. The installed vLLM
+is judged the same way (its sources found without importing it): a GPU-verified version runs as is; another version
+within TRL's range runs when its sources keep the contract, with a one-line notice and the rollout alarm raised to
+"error"; any other gets a config-time error naming the version, what broke, and the supported versions. A requirement
+only one feature needs (`Requirement.feature`: vLLM's bitsandbytes loader for shared 4-bit weights, its online fp8
+layers for fp8 sampling, the runner's KV wake-up hook for an fp8 KV cache in standby) takes only that feature away where
+it breaks: 4-bit weights then go to vLLM as a separate 16-bit copy, and asking for the other two is a config-time error
+naming why.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
     node: ast.AST = tree
     for part in qualname.split("."):
         body = getattr(node, "body", [])
-        found = next((child for child in body if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and child.name == part), None)
+        definitions = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        found = next((child for child in body if isinstance(child, definitions) and child.name == part), None)
         if found is None:
             return None
         node = found

@@ -33,7 +33,8 @@ def test_flat_trace_is_flat():
 
 
 @pytest.mark.parametrize("leak, check", [
-    (lambda row: row.update(device_allocated=row["device_allocated"] + row["step"] * MIB // 4), "device_allocated_range"),
+    (lambda row: row.update(device_allocated=row["device_allocated"] + row["step"] * MIB // 4),
+     "device_allocated_range"),
     (lambda row: row.update(device_used=row["device_used"] + row["step"] * 2 * MIB), "device_used_range"),
     (lambda row: row.update(host_rss=row["host_rss"] + row["step"] * MIB), "host_rss_slope"),
     (lambda row: row.update(offload_pool=row["offload_pool"] + row["step"] * MIB), "pool_growth_steps"),

@@ -1,7 +1,7 @@
 """The rollout sanity alarm on CPU: its rule on gap series (healthy runs, a sampler that stopped following the
 policy, non-finite gaps), and its seam, which reads TRL's logged gap across TRL's log-time clears and warns or raises
-once. On the GPU, tests/sampler/test_vllm_families.py trips it with a skipped adapter push and checks that healthy runs in
-both sampling modes never do."""
+once. On the GPU, tests/sampler/test_vllm_families.py trips it with a skipped adapter push and checks that healthy runs
+in both sampling modes never do."""
 
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
     # Rank 1's micro-batch carries images (rows are patches, not sequences): no rank splits, and none hangs
     images = {"pixel_values": torch.zeros(10, 8)} if rank == 1 else {}
     assert sequence_groups(trainer, {**inputs, **images}) is None
-    reduced = reduced_over_ranks(accelerator, {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},
+    reduced = reduced_over_ranks(accelerator,
+                                 {"offload/offloaded_gib": float(rank), "offload/host_peak_gib": 3.0 * rank},
                                  frozenset({"offload/host_peak_gib"}))
     assert reduced == {"offload/offloaded_gib": 0.5, "offload/host_peak_gib": 3.0}, reduced
     open(f"rank{rank}.ok", "w").close()

@@ -123,7 +123,8 @@ def test_tiled_mlp_matches_plain_mlp(arch, checkpointing):
     ids = token_batch(batch=2, length=24)
     stock_loss, stock = checkpointed_grads(decoder_model(arch), ids, checkpointing=checkpointing)
     runtime = CheckpointingRuntime(None) if checkpointing else None
-    turbo_loss, turbo = checkpointed_grads(decoder_model(arch), ids, runtime=runtime, tiled_tokens=7, checkpointing=checkpointing)
+    turbo_loss, turbo = checkpointed_grads(decoder_model(arch), ids, runtime=runtime, tiled_tokens=7,
+                                           checkpointing=checkpointing)
     torch.testing.assert_close(turbo_loss, stock_loss, rtol=1e-6, atol=1e-7)
     for name in stock:
         torch.testing.assert_close(turbo[name], stock[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")

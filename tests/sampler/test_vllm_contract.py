@@ -205,7 +205,8 @@ def test_verdicts(tmp_path):
     assert accepted.error is None and "0.27.1 is not GPU-verified" in accepted.notice
     refused = verdict("0.28.0", broken)
     assert refused.notice is None and "vllm==0.28.0 changed" in refused.error
-    assert "post_kv_cache_wake_up is missing" in refused.error and "GPU-verified: 0.24.x, 0.25.x, 0.26.x" in refused.error
+    assert "post_kv_cache_wake_up is missing" in refused.error
+    assert "GPU-verified: 0.24.x, 0.25.x, 0.26.x" in refused.error
     assert "outside the range TRL 1.16 supports" in verdict("0.33.0", good).error
     assert "not installed" in verdict(None, None).error
 
@@ -344,7 +345,8 @@ def test_config_refuses_a_version_that_breaks_the_contract_naming_it(tmp_path, m
     files["lora/worker_manager.py"] = files["lora/worker_manager.py"].replace(
         "get_unstacked_mapper", "get_rename_mapper")
     as_if_vllm_installed(monkeypatch, "0.27.1", _tree(tmp_path, files))
-    with pytest.raises(ValueError, match=r"vllm==0.27.1 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.25.x, 0.26.x"):
+    with pytest.raises(ValueError,
+                       match=r"vllm==0.27.1 changed .*no longer has get_unstacked_mapper.*0.24.x, 0.25.x, 0.26.x"):
         _grpo_config(turbo_vllm_shared_weights=True)
     vllm_contract._installed_verdict.cache_clear()
 

@@ -1,6 +1,6 @@
 """GPU + vLLM: the shared-weight engine inside a real GRPOTrainer run (one engine per process, so one module-scoped
-run): one copy of the base weights, samples from the live adapter (greedy samples equal HF's with the adapter merged), KV standby with flat memory over
-50 steps, and learning on a verifiable toy task with vLLM sampling."""
+run): one copy of the base weights, samples from the live adapter (greedy samples equal HF's with the adapter merged),
+KV standby with flat memory over 50 steps, and learning on a verifiable toy task with vLLM sampling."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """GPU + vLLM: the shared-weight engine for every supported model family, 16-bit (llama is covered at length by
-test_vllm_engine.py) and bitsandbytes 4-bit (NF4 with double quantization; FP4 for llama). Each family runs in a child process (one vLLM engine per process): one copy of the base
-weights, vLLM's samples scored by the live adapter before and after three GRPO steps, adapter sync in milliseconds.
-Models vLLM cannot share with (8-bit, 4-bit with bf16 storage, a family outside the shared layouts) get a separate
-16-bit copy holding the training model's dequantized values, with the same checks of samples and sync."""
+test_vllm_engine.py) and bitsandbytes 4-bit (NF4 with double quantization; FP4 for llama). Each family runs in a child
+process (one vLLM engine per process): one copy of the base weights, vLLM's samples scored by the live adapter before
+and after three GRPO steps, adapter sync in milliseconds. Models vLLM cannot share with (8-bit, 4-bit with bf16 storage,
+a family outside the shared layouts) get a separate 16-bit copy holding the training model's dequantized values, with
+the same checks of samples and sync."""
 
 from __future__ import annotations
 

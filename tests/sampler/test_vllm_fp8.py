@@ -85,7 +85,8 @@ def test_every_fp8_matrix_is_the_quantized_merge_and_the_trainer_weights_are_unt
         assert matrix.target.scale.item() == pytest.approx(scale.item(), rel=1e-6)
     qkv = sampling.matrices[[m.name for m in sampling.matrices].index("model.layers.0.self_attn.qkv_proj.weight")]
     q = model.base_model.model.model.layers[0].self_attn.q_proj
-    merged_q = q.base_layer.weight.float() + q.scaling["default"] * (q.lora_B["default"].weight @ q.lora_A["default"].weight)
+    delta = q.lora_B["default"].weight @ q.lora_A["default"].weight
+    merged_q = q.base_layer.weight.float() + q.scaling["default"] * delta
     dequantized = qkv.target.rows[: q.out_features].float() * qkv.target.scale
     assert (dequantized - merged_q).abs().max() <= merged_q.abs().max() / 8  # fp8 keeps 3 mantissa bits
     for name, parameter in model.named_parameters():
@@ -266,7 +267,8 @@ def test_parked_weights_leave_the_device_and_come_back_bit_for_bit():
     sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16, park_base=True, pin=False)
     assert sampling.parked_host_bytes >= sum(m.weight.numel() * 2 for s in sampling.matrices for m in
                                              (shard.module for shard in s.shards))
-    unparked = Fp8Sampling(model, "default", {n: Fp8Tensor(t.rows.clone(), t.scale.clone()) for n, t in tensors.items()},
+    copies = {n: Fp8Tensor(t.rows.clone(), t.scale.clone()) for n, t in tensors.items()}
+    unparked = Fp8Sampling(model, "default", copies,
                            views, torch.bfloat16)
     unparked.write()
     sampling.write()

@@ -28,8 +28,8 @@ def _base_weights(peft_model) -> dict[str, torch.Tensor]:
 def _assert_bitwise_equal(model, reference: dict[str, torch.Tensor]) -> None:
     for name, parameter in model.named_parameters():
         if name in reference:
-            assert torch.equal(parameter.detach().view(torch.int16 if parameter.element_size() == 2 else torch.int32),
-                               reference[name].view(torch.int16 if parameter.element_size() == 2 else torch.int32)), name
+            bits = torch.int16 if parameter.element_size() == 2 else torch.int32
+            assert torch.equal(parameter.detach().view(bits), reference[name].view(bits)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

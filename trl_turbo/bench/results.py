@@ -207,7 +207,7 @@ def render_table(results_dir: Path) -> str:
         )
         others = [impl for impl in impls if impl != layout["baseline"]]
         header = list(layout["key"])
-        for metric, label, _ in layout["metrics"]:
+        for _metric, label, _ in layout["metrics"]:
             header += [f"{impl} {label}" for impl in impls]
             if layout["baseline"] in impls:
                 header += [f"{impl}/{layout['baseline']} {label}" for impl in others]

@@ -28,8 +28,8 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
     different lengths, so a rank-local count could hang the run."""
     settings = Settings.of(trainer.args)
     budget = settings.forward_token_budget
-    if (budget is None or settings.memory_plan is MemoryPlanMode.OFF or not (torch.is_grad_enabled() and trainer.model.training)
-            or not splittable_loss(trainer)):
+    training = torch.is_grad_enabled() and trainer.model.training
+    if budget is None or settings.memory_plan is MemoryPlanMode.OFF or not training or not splittable_loss(trainer):
         return None
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)

@@ -30,7 +30,8 @@ GAP_METRIC = "sampling/sampling_logp_difference/mean"
 _GIB = 2**30
 # Reduced over ranks by their maximum; every other metric by its mean.
 MAXIMUM = frozenset({"offload/host_peak_gib", "offload/host_pool_gib", "offload/blocking_fetches",
-                     "memory/device_peak_gib/max", "memory_plan/predicted_peak_gib", "memory_plan/layer_activation_gib"})
+                     "memory/device_peak_gib/max", "memory_plan/predicted_peak_gib",
+                     "memory_plan/layer_activation_gib"})
 
 
 def reduced_over_ranks(accelerator: Any, values: dict[str, float],

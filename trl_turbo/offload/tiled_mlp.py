@@ -1,9 +1,9 @@
 """Sequence-tiled MLP: a decoder layer's MLP computed over token tiles, so its working set is one tile's.
 
 Design: the dense gated MLPs of llama, qwen2/3, mistral and gemma act on each token independently. An autograd
-Function runs the MLP tile by tile without keeping a graph and saves only its input. Its backward pass recomputes one tile at
-a time with grad and backpropagates through it, summing the parameters' (LoRA's) gradients over tiles and returning
-them once, so each parameter gets exactly one gradient per backward pass (as DDP requires). The
+Function runs the MLP tile by tile without keeping a graph and saves only its input. Its backward pass recomputes one
+tile at a time with grad and backpropagates through it, summing the parameters' (LoRA's) gradients over tiles and
+returning them once, so each parameter gets exactly one gradient per backward pass (as DDP requires). The
 [tokens, intermediate] activations (3.5× the hidden size, several of them) therefore exist for one tile only, not for
 the whole micro-batch. Gradients equal the plain MLP's up to float reassociation of the per-tile sums, which are
 accumulated in fp32 and rounded once. Parameters kept in bf16 (TRL's QLoRA casts LoRA weights to bf16) still round

@@ -1,8 +1,9 @@
 """`GRPOTrainer.__init__`: the one wrapper around TRL's constructor, where the trainer's run plan is built.
 
 Before TRL's constructor the plan is begun (`run_plan.begin`), whose trainer-init checks refuse what the trainer
-class or the colocated engine cannot serve, so no model loads for a run that would fail. While TRL's constructor runs, the plan in progress is visible through
-`construction.constructing_plan()`: the vLLM seam records the engine plan in it. After the constructor the plan is
+class or the colocated engine cannot serve, so no model loads for a run that would fail. While TRL's constructor
+runs, the plan in progress is visible through `construction.constructing_plan()`: the vLLM seam records the engine
+plan in it. After the constructor the plan is
 finished and kept on the trainer (`run_plan.of(trainer)`), and the model-side features of its memory policy are
 installed (`patches.trl_checkpointing`).
 """

@@ -59,7 +59,8 @@ def _grpo_fields(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     model_values = {name: values.get(name, default) for name, default in _MODEL_FIELDS.items()}
     unknown = sorted(set(values) - set(defaults) - set(_MODEL_FIELDS) - _other_model_fields())
     if unknown:
-        raise ValueError(f"trl-turbo plan: unknown config fields {unknown} (not fields of GRPOConfig, ModelConfig or `trl grpo`'s script arguments)")
+        raise ValueError(f"trl-turbo plan: unknown config fields {unknown} (not fields of GRPOConfig, ModelConfig or "
+                         "`trl grpo`'s script arguments)")
     merged = {**defaults, **{k: v for k, v in values.items() if k in defaults}}
     if merged.get("steps_per_generation") is None:
         merged["steps_per_generation"] = merged.get("gradient_accumulation_steps", 1)

@@ -82,7 +82,8 @@ def _matches(name: str, targets: str | list[str] | None) -> bool:
     return name.split(".")[-1] in targets
 
 
-def model_spec(config: Any, lora_r: int | None = None, lora_targets: str | list[str] | None = "all-linear") -> ModelSpec:
+def model_spec(config: Any, lora_r: int | None = None,
+               lora_targets: str | list[str] | None = "all-linear") -> ModelSpec:
     """Count the model of `config` on the meta device; `lora_r` adapters on the decoder layers' linear modules that
     `lora_targets` names ("all-linear", a list of module names, or a regex), as PEFT would attach them."""
     from transformers import AutoModelForCausalLM
@@ -107,8 +108,10 @@ def model_spec(config: Any, lora_r: int | None = None, lora_targets: str | list[
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     return ModelSpec(
         model_type=text.model_type, hidden_size=hidden, layers=len(layers), intermediate_size=text.intermediate_size,
-        vocab_size=text.vocab_size, query_width=text.num_attention_heads * head_dim, key_value_width=kv_heads * head_dim,
+        vocab_size=text.vocab_size, query_width=text.num_attention_heads * head_dim,
+        key_value_width=kv_heads * head_dim,
         norms_per_layer=norms, parameters=sum(p.numel() for p in model.parameters()),
-        layer_linear_parameters=layer_linear, lora_parameters=lora, adapted_parameters=adapted, head_dim=head_dim, key_value_heads=kv_heads,
+        layer_linear_parameters=layer_linear, lora_parameters=lora, adapted_parameters=adapted, head_dim=head_dim,
+        key_value_heads=kv_heads,
         max_position_embeddings=getattr(text, "max_position_embeddings", 0) or 0,
     )

@@ -35,8 +35,9 @@ OPTIMIZER_BYTES_PER_PARAM = 8
 VLLM_PROFILE_BYTES = int(1.17 * 2**30)
 # An engine that samples from bitsandbytes 4-bit weights keeps about this many times one scheduler step's
 # workspace (`vllm.kv_budget.sampling_workspace_bytes`: hidden states and logits) more, outside its KV pool
-# (dequantized weight tiles, LoRA kernels' buffers): measured 1.52 GiB with Llama-3.1-8B and 0.58 GiB with Qwen2.5-1.5B, NF4, shared
-# weights, H200 (e2e-llama-3.1-8b-nf4-cap15gib-20261125-162430, e2e-qwen2.5-1.5b-nf4-cap5gib-20261125-163213).
+# (dequantized weight tiles, LoRA kernels' buffers): measured 1.52 GiB with Llama-3.1-8B and 0.58 GiB with Qwen2.5-1.5B,
+# NF4, shared weights, H200 (e2e-llama-3.1-8b-nf4-cap15gib-20261125-162430,
+# e2e-qwen2.5-1.5b-nf4-cap5gib-20261125-163213).
 FOUR_BIT_ENGINE_WORKSPACES = 1.5
 FP8_BYTES_PER_WEIGHT = 1
 COMPLETION_STEP = 256

@@ -200,15 +200,14 @@ def assert_records_close(
     """Step-by-step equality of losses, gradients and parameters (within float reassociation tolerance)."""
     assert len(stock) == len(turbo) and stock, f"step counts differ: {len(stock)} vs {len(turbo)}"
     for step, (a, b) in enumerate(zip(stock, turbo)):
-        torch.testing.assert_close(b.loss, a.loss, rtol=rtol, atol=atol, msg=lambda m: f"loss, step {step}: {m}")
+        torch.testing.assert_close(b.loss, a.loss, rtol=rtol, atol=atol,
+                                   msg=lambda m, step=step: f"loss, step {step}: {m}")
         assert a.grads.keys() == b.grads.keys(), f"step {step}: different parameters received gradients"
         for name in a.grads:
-            torch.testing.assert_close(
-                b.grads[name], a.grads[name], rtol=rtol, atol=atol, msg=lambda m: f"grad {name}, step {step}: {m}"
-            )
-            torch.testing.assert_close(
-                b.params[name], a.params[name], rtol=rtol, atol=atol, msg=lambda m: f"param {name}, step {step}: {m}"
-            )
+            torch.testing.assert_close(b.grads[name], a.grads[name], rtol=rtol, atol=atol,
+                                       msg=lambda m, name=name, step=step: f"grad {name}, step {step}: {m}")
+            torch.testing.assert_close(b.params[name], a.params[name], rtol=rtol, atol=atol,
+                                       msg=lambda m, name=name, step=step: f"param {name}, step {step}: {m}")
 
 
 def synthetic_batch(
@@ -257,7 +256,8 @@ def synthetic_batch(
 
 
 def loss_and_grads(trainer: Any, inputs: dict[str, torch.Tensor], *, fused: bool) -> tuple[torch.Tensor, dict]:
-    """TRL's loss step (`_compute_loss`) with trl_turbo's fused loss on or off; returns the loss and parameter gradients."""
+    """TRL's loss step (`_compute_loss`) with trl_turbo's fused loss on or off; returns the loss and parameter
+    gradients."""
     trainer.args.turbo_fused_loss = fused
     if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer's loop; not run here
         trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps

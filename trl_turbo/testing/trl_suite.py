@@ -7,10 +7,10 @@ in fresh processes of the same environment with the same worker count: once unto
 one-line module that does ``import trl_turbo`` (pytest imports it as a plugin before it collects anything, and the
 import patches TRL, exactly as a user's ``import trl_turbo`` at the top of a script does; a plugin module's asserts are
 rewritten by pytest, so the plugin is that module, not the package). Nothing of trl_turbo is loaded in the stock run.
-Per-test outcomes and durations come from pytest's JUnit XML; the verdict is the list of tests that pass stock and do not pass with the
-import (exit status 1 when it is not empty; 2 when a run did not run: the stock run passed nothing, or pytest
-exited for another reason than failing tests). Durations are compared test by test, so a slowdown can be traced to the
-tests that cause it.
+Per-test outcomes and durations come from pytest's JUnit XML; the verdict is the list of tests that pass stock and do
+not pass with the import (exit status 1 when it is not empty; 2 when a run did not run: the stock run passed nothing, or
+pytest exited for another reason than failing tests). Durations are compared test by test, so a slowdown can be traced
+to the tests that cause it.
 
     git clone --depth 1 --branch v1.16.0 https://github.com/huggingface/trl /tmp/trl
     python -m trl_turbo.testing.trl_suite --trl-source /tmp/trl --ref v1.16.0 --out trl_suite.json

@@ -3,8 +3,9 @@ model vLLM cannot share with (8-bit, non-uint8 4-bit storage, another family), t
 
 Design decision: one vLLM engine lives per process, so each model family is checked by running this module as a
 child process (``python -m trl_turbo.testing.vllm_checks <arch> <dir>``, or under ``accelerate launch``, one
-engine per rank), which prints one ``RESULT {json}`` line per rank; the test asserts on it. The checks compare log-probabilities, not greedy tokens, because a random-init model's
-logits are near ties and greedy tokens flip between kernels.
+engine per rank), which prints one ``RESULT {json}`` line per rank; the test asserts on it. The checks compare
+log-probabilities, not greedy tokens, because a random-init model's logits are near ties and greedy tokens flip between
+kernels.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def sampling_mode(trainer: Any) -> str:
 
     state = engine_state(trainer.vllm_generation)
     mode = "merged" if state.merged is not None else "fp8" if state.fp8 is not None else "lora"
-    lora_layers = any(".base_layer." in name for name, _ in driver_model(trainer.vllm_generation.llm).named_parameters())
+    engine_model = driver_model(trainer.vllm_generation.llm)
+    lora_layers = any(".base_layer." in name for name, _ in engine_model.named_parameters())
     if lora_layers != (mode == "lora"):
         raise AssertionError(f"{mode} sampling, but vLLM's model {'has' if lora_layers else 'has no'} LoRA layers")
     return mode

@@ -1,5 +1,5 @@
-"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24-0.31, `versions.VLLM_ENGINE`; what it relies on
-is listed per API generation, for checking each version's sources, in `trl_turbo.vllm_contract`; what differs between
+"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24-0.31, `versions.VLLM_ENGINE`; what it relies
+on is listed per API generation, for checking each version's sources, in `trl_turbo.vllm_contract`; what differs between
 generations sits in the `VllmApi` adapters below).
 
 The mechanisms, each on vLLM's own objects rather than re-implemented:
@@ -163,7 +163,8 @@ class TensorAdapters:
 
     def _build(self, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
         manager = self._manager
-        helper = self._peft_helper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper = self._peft_helper.from_dict({**config,
+                                              "vllm_max_position_embeddings": manager.max_position_embeddings})
         helper.validate_legal(manager.lora_config)
         model = manager._adapter_manager.model
         lora = manager._lora_model_cls.from_lora_tensors(

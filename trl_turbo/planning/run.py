@@ -114,6 +114,61 @@ def _field(args: Any, name: str) -> Any:
     return getattr(args, name, _trl_default(name))
 
 
+@dataclass(frozen=True)
+class _EngineMemory:
+    weights: int  # beyond what the trainer holds (fp8 copy, vLLM's fp32 block scales, or a separate copy)
+    kv_cache: int
+    workspace: int
+    error: str | None = None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.workspace
+
+
+def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_bytes: int, static_bytes: int,
+                   trainable: int, quantized_4bit: bool, nested_4bit: bool, completion: int,
+                   max_num_seqs: int) -> _EngineMemory:
+    """The colocated engine's device memory: its weights beyond the trainer's, its KV cache (the automatic budget
+    with shared weights or standby at TRL's default utilization, else TRL's share of the device), its workspace."""
+    shared = engine_plan is not None and engine_plan.sharing is not None and engine_plan.sharing.mode == SHARED
+    fp8 = shared and engine_plan.sampling is SamplingMode.FP8
+    step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
+    workspace = VLLM_PROFILE_BYTES
+    if quantized_4bit and not fp8:  # vLLM samples from the 4-bit weights (its own copy, or shared)
+        workspace += int(FOUR_BIT_ENGINE_WORKSPACES * step_workspace)
+    if shared:
+        # fp8 sampling: an e4m3 copy of the linear weights beside the 16-bit ones (an upper bound: the base may be
+        # parked on the host while the copy samples, which this forecast does not count on)
+        weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters) if fp8 else 0
+        if quantized_4bit and nested_4bit and not fp8:  # fp32 scales beside the shared packed bytes
+            weights += spec.vllm_undone_scale_bytes()
+    else:  # vLLM's own copy, its 4-bit block scales in fp32
+        weights = spec.weight_bytes(quantized_4bit, nested_4bit=False)
+    utilization = _field(args, "vllm_gpu_memory_utilization")
+    standby = engine_plan is not None and engine_plan.standby
+    if not ((shared or standby) and utilization == _trl_default("vllm_gpu_memory_utilization")):
+        kv_cache = max(0, int(utilization * capacity_bytes) - weights - workspace)
+        error = None if kv_cache else (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to "
+                                       f"its {weights / 2**30:.1f} GiB of weights")
+        return _EngineMemory(weights, kv_cache, workspace, error)
+    per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
+                                   dtype_bytes=1 if engine_plan.kv_cache_dtype.is_fp8 else 2)
+    max_model_len = _field(args, "vllm_max_model_length")
+    useful = useful_kv_cache_bytes(
+        max_num_seqs=max_num_seqs,
+        seq_len=expected_seq_len(max_model_length=max_model_len, max_completion_length=completion),
+        max_model_len=max_model_len or spec.max_position_embeddings, per_token_bytes=per_token)
+    try:
+        kv_cache = auto_kv_cache_bytes(
+            free_bytes=capacity_bytes - CONTEXT_BYTES - static_bytes, total_bytes=capacity_bytes,
+            vllm_weight_bytes=weights, trainable_params=trainable, sampling_workspace_bytes=step_workspace,
+            useful_bytes=useful)
+    except ValueError as exc:
+        return _EngineMemory(weights, 0, workspace, str(exc))
+    return _EngineMemory(weights, kv_cache, workspace)
+
+
 def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
                  quantized_4bit: bool = False, nested_4bit: bool = True, prompt_tokens: int = 256,
                  completion_tokens: int | None = None, stock: bool = False) -> RunForecast:
@@ -124,92 +179,64 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                                           host_capacity_bytes=host_capacity_bytes)
     engine_plan = plan.engine if plan is not None else None
     completion = completion_tokens or args.max_completion_length
-    batch = MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion)
     weights = spec.weight_bytes(quantized_4bit, nested_4bit)
+    # full fine-tuning: fp32 master weights are not modelled; the 16-bit ones train
     adapter = 4 * spec.lora_parameters
-    trainable = spec.lora_parameters if spec.lora_parameters else spec.parameters
-    if not spec.lora_parameters:  # full fine-tuning: fp32 master weights are not modelled; the 16-bit ones train
-        adapter = 0
+    trainable = spec.lora_parameters or spec.parameters
     optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
     static = weights + adapter
-    colocated = bool(_field(args, "use_vllm")) and _field(args, "vllm_mode") == "colocate"
-    mode = MemoryPlanMode.OFF if plan is None else plan.memory.mode
     shared = engine_plan is not None and engine_plan.sharing is not None and engine_plan.sharing.mode == SHARED
     standby = engine_plan is not None and engine_plan.standby
-    fp8 = shared and engine_plan.sampling is SamplingMode.FP8
     error = None
     phases: list[Phase] = []
-    engine_weights = engine_kv = engine_training = 0
-    host_engine = 0
-    max_num_seqs = args.per_device_train_batch_size * (_field(args, "steps_per_generation") or 1) or 256
-    step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
-    workspace = VLLM_PROFILE_BYTES
-    if quantized_4bit and not fp8:  # vLLM samples from the 4-bit weights (its own copy, or shared)
-        workspace += int(FOUR_BIT_ENGINE_WORKSPACES * step_workspace)
-    if colocated:
-        if shared:
-            # fp8 sampling: an e4m3 copy of the linear weights beside the 16-bit ones (an upper bound: the base may be
-            # parked on the host while the copy samples, which this forecast does not count on)
-            engine_weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters) if fp8 else 0
-            if quantized_4bit and nested_4bit and not fp8:  # fp32 scales beside the shared packed bytes
-                engine_weights += spec.vllm_undone_scale_bytes()
-        else:  # vLLM's own copy, its 4-bit block scales in fp32
-            engine_weights = spec.weight_bytes(quantized_4bit, nested_4bit=False)
-        utilization = _field(args, "vllm_gpu_memory_utilization")
-        kv_dtype_bytes = 1 if engine_plan is not None and engine_plan.kv_cache_dtype.is_fp8 else 2
-        if (shared or standby) and utilization == _trl_default("vllm_gpu_memory_utilization"):
-            per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
-                                           dtype_bytes=kv_dtype_bytes)
-            max_model_len = _field(args, "vllm_max_model_length")
-            useful = useful_kv_cache_bytes(
-                max_num_seqs=max_num_seqs,
-                seq_len=expected_seq_len(max_model_length=max_model_len, max_completion_length=completion),
-                max_model_len=max_model_len or spec.max_position_embeddings, per_token_bytes=per_token)
-            try:
-                engine_kv = auto_kv_cache_bytes(
-                    free_bytes=capacity_bytes - CONTEXT_BYTES - static, total_bytes=capacity_bytes,
-                    vllm_weight_bytes=engine_weights, trainable_params=trainable,
-                    sampling_workspace_bytes=step_workspace, useful_bytes=useful)
-            except ValueError as exc:
-                error = str(exc)
-        else:
-            engine_kv = max(0, int(utilization * capacity_bytes) - engine_weights - workspace)
-            if engine_kv == 0:
-                error = (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to its "
-                         f"{engine_weights / 2**30:.1f} GiB of weights")
-        engine = engine_weights + engine_kv + workspace
-        phases.append(Phase("start-up", static + engine, 0,
-                            {"weights": weights, "adapter": adapter, "vLLM weights": engine_weights,
-                             "KV cache": engine_kv, "vLLM workspace": workspace}))
+    engine_training = host_engine = 0
+    if bool(_field(args, "use_vllm")) and _field(args, "vllm_mode") == "colocate":
+        max_num_seqs = args.per_device_train_batch_size * (_field(args, "steps_per_generation") or 1) or 256
+        engine = _engine_memory(args, spec, engine_plan, capacity_bytes=capacity_bytes, static_bytes=static,
+                                trainable=trainable, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
+                                completion=completion, max_num_seqs=max_num_seqs)
+        error = engine.error
+        parts = {"weights": weights, "adapter": adapter, "vLLM weights": engine.weights, "KV cache": engine.kv_cache,
+                 "vLLM workspace": engine.workspace}
+        phases.append(Phase("start-up", static + engine.total, 0, parts))
         merged_host = 2 * spec.adapted_parameters if shared and engine_plan.sampling is SamplingMode.MERGED else 0
-        phases.append(Phase("generation", static + optimizer + engine, merged_host,
-                            {"weights": weights, "adapter": adapter, "optimizer": optimizer,
-                             "vLLM weights": engine_weights, "KV cache": engine_kv,
-                             "vLLM workspace": workspace}))
+        phases.append(Phase("generation", static + optimizer + engine.total, merged_host,
+                            {**parts, "optimizer": optimizer}))
         if standby:
-            engine_training = engine_weights if not fp8 else 0
+            engine_training = 0 if shared and engine_plan.sampling is SamplingMode.FP8 else engine.weights
         elif _field(args, "vllm_enable_sleep_mode"):
-            host_engine = engine_weights  # level-1 sleep: weights to host, KV cache dropped
+            host_engine = engine.weights  # level-1 sleep: weights to host, KV cache dropped
         else:
-            engine_training = engine
-    ceiling_gib = plan.memory.ceiling_gib if plan is not None else None
-    if ceiling_gib is not None:
-        ceiling = int(ceiling_gib * 2**30)
-    else:
-        # the generation's footprint as the device counts it (the run reads it device-wide, its context included)
-        ceiling = phases[-1].device_bytes + CONTEXT_BYTES if (standby and phases) else None
-    training = forecast_training(
-        spec, batch, mode=mode, capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
-        quantized_4bit=quantized_4bit,
-        forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,
-        tiled_mlp_tokens=plan.settings.tiled_mlp_tokens if plan is not None and plan.settings.tiled_mlp else None,
-        gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling)
+            engine_training = engine.total
+    training = _training_phase(args, spec, plan, completion=completion, prompt_tokens=prompt_tokens,
+                               capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
+                               quantized_4bit=quantized_4bit,
+                               generation_bytes=phases[-1].device_bytes if standby and phases else None)
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                          "vLLM resident": engine_training,
                          "activations": training.peak_bytes - static - optimizer - engine_training}))
     return RunForecast("stock" if stock else "turbo", capacity_bytes, host_capacity_bytes, completion,
                        prompt_tokens, tuple(phases), training, error, plan)
+
+
+def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, completion: int, prompt_tokens: int,
+                    capacity_bytes: int, static_bytes: int, quantized_4bit: bool,
+                    generation_bytes: int | None) -> TrainingForecast:
+    """The training phase under the plan's memory policy (stock: `plan` None), its ceiling the user's
+    `turbo_training_memory_gib`, else in standby the generation's footprint as the device counts it (the run reads
+    it device-wide, its context included)."""
+    if plan is not None and plan.memory.ceiling_gib is not None:
+        ceiling = int(plan.memory.ceiling_gib * 2**30)
+    else:
+        ceiling = generation_bytes + CONTEXT_BYTES if generation_bytes is not None else None
+    return forecast_training(
+        spec, MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion),
+        mode=MemoryPlanMode.OFF if plan is None else plan.memory.mode, capacity_bytes=capacity_bytes,
+        static_bytes=static_bytes, quantized_4bit=quantized_4bit,
+        forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,
+        tiled_mlp_tokens=plan.settings.tiled_mlp_tokens if plan is not None and plan.settings.tiled_mlp else None,
+        gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling)
 
 
 def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,

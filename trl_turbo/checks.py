@@ -239,6 +239,12 @@ def _check_installed_vllm(settings: Settings, wanted: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- trainer init
+SHARING_NEEDS_AN_ADAPTER = (
+    "`turbo_vllm_shared_weights=True` shares the frozen base weights of a LoRA run; full fine-tuning changes every "
+    "weight each step. Pass a `peft_config=LoraConfig(...)` to GRPOTrainer (`use_peft: true` for `trl grpo`), or set "
+    "`turbo_vllm_shared_weights=False`.")
+
+
 def check_trainer(trainer_cls: type, config: Any, model: Any, peft_config: Any,
                   quantization_config: Any = None) -> None:
     """GRPOTrainer's constructor, before TRL loads the model: the loss settings against the trainer class, and the
@@ -292,9 +298,7 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
     if adapter is None and hasattr(model, "peft_config"):
         adapter = model.peft_config.get(getattr(model, "active_adapter", "default"))
     if adapter is None:
-        raise ValueError("`turbo_vllm_shared_weights=True` shares the frozen base weights of a LoRA run; full "
-                         "fine-tuning changes every weight each step. Pass a `peft_config=LoraConfig(...)` to "
-                         "GRPOTrainer, or set `turbo_vllm_shared_weights=False`.")
+        raise ValueError(SHARING_NEEDS_AN_ADAPTER)
     problems = adapter_problems(adapter)
     if problems:
         raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "

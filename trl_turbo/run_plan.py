@@ -98,7 +98,6 @@ class PlanInProgress:
 
     config: Any
     settings: Settings
-    strategy: Strategy
     engine: EnginePlan | None = None
 
 
@@ -106,24 +105,19 @@ def begin(trainer_cls: type, config: Any, model: Any, peft_config: Any,
           quantization_config: Any = None) -> PlanInProgress:
     """Before TRL's constructor, from GRPOTrainer's arguments (`config`: the GRPOConfig, or None for TRL's default
     one): the trainer-init checks (`checks.check_trainer`) refuse what no engine or loss can serve, then the plan
-    starts from the settings and the strategy."""
+    starts from the settings."""
     check_trainer(trainer_cls, config, model, peft_config, quantization_config)
-    settings = Settings.of(config)
-    return PlanInProgress(config, settings, detect_strategy(config) if config is not None else Strategy.SINGLE)
+    return PlanInProgress(config, Settings.of(config))
 
 
 def finish(progress: PlanInProgress, trainer: Any) -> RunPlan:
     """After TRL's constructor: the memory policy from the trainer's device and engine, and the whole plan."""
-    args = trainer.args
+    args = trainer.args  # TRL's default config where none was passed
     settings = progress.settings if progress.config is not None else Settings.of(args)
-    generation = getattr(trainer, "vllm_generation", None)
     device = getattr(getattr(trainer, "accelerator", None), "device", None)
-    memory = plan_memory(
-        settings, gradient_checkpointing=bool(args.gradient_checkpointing), strategy_refusal=strategy_refusal(args),
-        cuda_device=getattr(device, "type", None) == "cuda", liger_enabled=liger_layers_enabled(args),
-        standby_engine=generation is not None and progress.engine is not None and progress.engine.standby)
-    strategy = detect_strategy(args)
-    return RunPlan(settings, strategy, rollout_check(settings), memory, progress.engine)
+    has_engine = getattr(trainer, "vllm_generation", None) is not None
+    return _plan(args, settings, progress.engine if has_engine else None,
+                 cuda_device=getattr(device, "type", None) == "cuda", liger_enabled=liger_layers_enabled(args))
 
 
 def footprint_of(trainer: Any):
@@ -133,22 +127,28 @@ def footprint_of(trainer: Any):
 
 
 def of(trainer: Any) -> RunPlan:
-    """The trainer's plan; one built from its config for a trainer constructed without trl_turbo's constructor."""
+    """The trainer's plan; for a trainer constructed without trl_turbo's constructor, one from its config alone
+    (no engine plan, no device)."""
     plan = trainer.__dict__.get(PLAN_ATTRIBUTE) if hasattr(trainer, "__dict__") else None
     if plan is not None:
         return plan
-    return forecast(trainer.args, engine_facts=None, cuda_device=False)
+    return _plan(trainer.args, Settings.of(trainer.args), None, cuda_device=False, liger_enabled=False)
+
+
+def _plan(args: Any, settings: Settings, engine: EnginePlan | None, *, cuda_device: bool,
+          liger_enabled: bool) -> RunPlan:
+    memory = plan_memory(
+        settings, gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", True)),
+        strategy_refusal=strategy_refusal(args), cuda_device=cuda_device, liger_enabled=liger_enabled,
+        standby_engine=engine is not None and engine.standby)
+    return RunPlan(settings, detect_strategy(args), rollout_check(settings), memory, engine)
 
 
 # ------------------------------------------------------------------------------------------------ forecast
 def forecast(args: Any, *, engine_facts: EngineFacts | None, cuda_device: bool = True,
              liger_enabled: bool = False) -> RunPlan:
     """The plan of the run `args` describes, from facts instead of a loaded model and a trainer (`trl-turbo plan`;
-    `engine_facts`: the policy model's, needed with shared weights)."""
+    `engine_facts`: the policy model's, needed with shared weights). Liger's layers are not forecast."""
     settings = Settings.of(args)
     engine = plan_engine(settings, engine_facts) if _colocated(args) else None
-    memory = plan_memory(
-        settings, gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", True)),
-        strategy_refusal=strategy_refusal(args), cuda_device=cuda_device, liger_enabled=liger_enabled,
-        standby_engine=engine is not None and engine.standby)
-    return RunPlan(settings, detect_strategy(args), rollout_check(settings), memory, engine)
+    return _plan(args, settings, engine, cuda_device=cuda_device, liger_enabled=liger_enabled)

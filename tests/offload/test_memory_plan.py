@@ -207,7 +207,7 @@ def _fake_device_budget(free_bytes: int):
     """`prepare_model` for `parity.run_training`: the trainer's planner sees a device with `free_bytes` free."""
     def prepare(model):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        runtime_of(base.model).planner.budget = lambda device: (free_bytes, 0, FAKE_CAPACITY)
+        runtime_of(base).planner.budget = lambda device: (free_bytes, 0, FAKE_CAPACITY)
     return prepare
 
 

@@ -290,11 +290,19 @@ def test_parked_weights_leave_the_device_and_come_back_bit_for_bit():
 
 
 def test_fp8_parks_16_bit_weights_when_the_host_copy_fits(monkeypatch, tmp_path):
+    from trl_turbo.config import Settings
     from trl_turbo.vllm import engine_plan
 
     model = _lora_model()
+    settings = Settings.of(types.SimpleNamespace(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8"))
+
+    def fp8_parks_base() -> bool:
+        plan = engine_plan.plan_engine(settings, engine_plan.engine_facts(model))
+        engine_plan.warn_engine_plan(plan, settings)
+        return plan.fp8_parks_base
+
     monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 64 * 2**30)
-    assert engine_plan.fp8_parks_base(model)
+    assert fp8_parks_base()
     monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 2**10)
     with pytest.warns(RuntimeWarning, match="keeps the 16-bit base weights on the device"):
-        assert not engine_plan.fp8_parks_base(model)
+        assert not fp8_parks_base()

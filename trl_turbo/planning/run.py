@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import MemoryPlanMode, SamplingMode
+from ..config import MemoryPlanMode, SamplingMode, Settings
 from ..run_plan import RunPlan
 from ..run_plan import forecast as forecast_plan
 from ..vllm.engine_plan import EngineFacts
@@ -97,9 +97,13 @@ def spec_engine_facts(spec: ModelSpec, *, quantized_4bit: bool, nested_4bit: boo
 def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nested_4bit: bool = True,
                 host_capacity_bytes: int | None = None) -> RunPlan:
     """The run plan of `args` (a GRPOConfig's fields) for the model `spec` counts, as a trainer on a CUDA device
-    would resolve it."""
+    would resolve it; refused as the trainer would refuse it."""
+    from ..checks import SHARING_NEEDS_AN_ADAPTER
+
+    if Settings.of(args).vllm_shared_weights and not spec.lora_parameters:
+        raise ValueError(SHARING_NEEDS_AN_ADAPTER)
     facts = spec_engine_facts(spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
-                              host_capacity_bytes=host_capacity_bytes) if spec.lora_parameters else None
+                              host_capacity_bytes=host_capacity_bytes)
     return forecast_plan(args, engine_facts=facts)
 
 

@@ -53,6 +53,7 @@ class Obstacle(str, enum.Enum):
     REPLICATED = "replicated"  # vLLM holds the whole tensor on every rank (norms, a row-parallel bias)
     SHAPE_MISMATCH = "shape_mismatch"  # the HF shape is not what the config says
     UNKNOWN = "unknown"  # not a weight of a layer whose tensor-parallel layout is known here
+    DTYPE = "dtype"  # the training copy's dtype is not the engine's (e.g. fp32 masters, bf16 vLLM)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ A tiny Llama (4 heads, hidden 64, intermediate 128, 2 layers) is sharded per dec
 models: 2 KV heads and a 128-token vocabulary (everything but the norms shared), and 1 KV head with a 100-token tied
 vocabulary (k/v replicated by vLLM and the vocabulary padded: own copies, FSDP2's default Shard(0)). The sharded
 model's logits equal the unsharded model's and backward runs, so Shard(1) on o_proj/down_proj gathers back right.
-Launched with `torch.distributed.run`, as the other multi-process tests.
+Launched with `torch.distributed.run`, as the other multi-process tests; a slow variant runs 4 processes as 2
+"nodes" of 2 on a (replicate, shard) = (2, 2) HSDP mesh from `hsdp_mesh`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ import json
 import sys
 import textwrap
 
+import pytest
+
 from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
 
 SCRIPT = textwrap.dedent(
     """
-    import copy, json, sys, warnings
+    import copy, json, os, sys, warnings
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     from trl_turbo.sharding.mesh_shape import device_mesh, hsdp_mesh
     from trl_turbo.sharding.shard_placement import ShardPlacementFn, applied_shard_dims, model_facts, plan_model
@@ -34,7 +37,9 @@ SCRIPT = textwrap.dedent(
     from trl_turbo.testing.multi_gpu import end_process_group
 
     dist.init_process_group("gloo")
-    layout = hsdp_mesh(1, 2, 2)
+    layout = hsdp_mesh(*map(int, sys.argv[2:5]))  # nodes, GPUs per node, T
+    assert layout.world_size == int(os.environ["WORLD_SIZE"])
+    across = (Replicate(),) if layout.is_hsdp else ()  # HSDP: replicated over shard groups, sharded within
     mesh = device_mesh(layout, "cpu")
     rank = dist.get_rank()
     tp_rank = layout.coordinates(rank)[1]
@@ -45,7 +50,7 @@ SCRIPT = textwrap.dedent(
         reference = copy.deepcopy(model)
         full = {name: param.detach().clone() for name, param in model.named_parameters()}
         facts = model_facts(model)
-        plan = plan_model(model, 2)
+        plan = plan_model(model, layout.tp_size)
         planned = {p.name: p for p in plan.params}
         fn = ShardPlacementFn(model, plan)
         for layer in model.model.layers:
@@ -57,17 +62,17 @@ SCRIPT = textwrap.dedent(
         packed = {}
         for name, param in model.named_parameters():
             local = param.to_local()
-            tp = tp_layout(name, full[name].shape, facts, 2, tp_rank)
+            tp = tp_layout(name, full[name].shape, facts, layout.tp_size, tp_rank)
             if planned[name].kind == "shared":
                 s = tp.slice
-                assert param.placements == (Shard(tp.fsdp_dim),), (name, param.placements)
+                assert param.placements == (*across, Shard(tp.fsdp_dim)), (name, param.placements)
                 assert torch.equal(local, full[name].narrow(s.dim, s.start, s.length)), name
                 sizes = list(full[name].shape)
                 sizes[s.dim] = s.local_size
                 target = packed.setdefault(tp.vllm_name, torch.full(sizes, float("nan")))
                 target.narrow(s.dim, s.offset, s.length).copy_(local)
             else:
-                assert param.placements == (Shard(0),), (name, param.placements)
+                assert param.placements == (*across, Shard(0)), (name, param.placements)
                 if tp.slice is not None and tp.slice.dim is not None:  # FSDP2's chunk is not vLLM's slice here
                     vllm_rows = full[name].narrow(tp.slice.dim, tp.slice.start, tp.slice.length)
                     assert local.shape != vllm_rows.shape or not torch.equal(local, vllm_rows), name
@@ -106,17 +111,32 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_fsdp2_local_shards_are_vllm_tp_slices(tmp_path):
+def _launch(tmp_path, nodes: int, gpus_per_node: int, tp_size: int) -> dict:
     script = tmp_path / "fsdp2_layout.py"
     script.write_text(SCRIPT)
     out = tmp_path / "report.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(out)]
-    result = run_launch(command, cwd=tmp_path, timeout=300, env=fresh_rendezvous_env())
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(nodes * gpus_per_node), str(script), str(out), str(nodes), str(gpus_per_node), str(tp_size)]
+    result = run_launch(command, cwd=tmp_path, timeout=600, env=fresh_rendezvous_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def _check_report(report: dict) -> None:
     gqa, mqa = report["gqa"], report["mqa_padded_tied"]
     assert len(gqa["shared"]) == 2 + 2 * 7 and {v[0] for v in gqa["own_copy"].values()} == {"replicated"}
     assert mqa["own_copy"]["model.embed_tokens.weight"] == ["vocab_padded", 64 * 64 * 4]
     assert mqa["own_copy"]["model.layers.0.self_attn.k_proj.weight"] == ["kv_replicated", 16 * 64 * 4]
     assert "lm_head.weight" not in mqa["own_copy"] and "lm_head.weight" not in mqa["shared"]  # tied: planned once
+
+
+def test_fsdp2_local_shards_are_vllm_tp_slices(tmp_path):
+    """One TP group of 2 ranks, a 1-D mesh (plain FSDP2)."""
+    _check_report(_launch(tmp_path, 1, 2, 2))
+
+
+@pytest.mark.slow
+def test_hsdp_shards_follow_the_rank_within_its_group(tmp_path):
+    """4 processes as 2 'nodes' of 2, T=2: a (2, 2) HSDP mesh; ranks 2 and 3 hold TP ranks 0 and 1's slices (their
+    index in the shard group, not their global rank), replicated over the two groups."""
+    _check_report(_launch(tmp_path, 2, 2, 2))

@@ -2,9 +2,11 @@
 
 Design: one layout serves both sides. With T = vLLM's tensor-parallel size, the mesh is `(world / T, T)`, row-major
 over global ranks (torchrun numbers them node by node), so shard group g is ranks `[g*T, (g+1)*T)`: exactly the
-contiguous groups TRL's colocate mode builds for vLLM (`new_subgroups_by_enumeration`), and the mesh accelerate
-builds from `ParallelismConfig(dp_replicate_size=world/T, dp_shard_size=T)` (dims ordered dp_replicate, dp_shard).
-A rank's index in its shard group is then its vLLM TP rank, which is what `tp_layout` needs. Gradients are
+contiguous groups TRL's colocate mode builds for vLLM (`new_subgroups_by_enumeration`), the groups vLLM itself forms
+under `distributed_executor_backend="external_launcher"` (vLLM 0.24 `parallel_state.initialize_model_parallel`:
+`arange(world).reshape(-1, dp, pp, pcp, tp)`, TP innermost), and the mesh accelerate builds from
+`ParallelismConfig(dp_replicate_size=world/T, dp_shard_size=T)` (dims ordered dp_replicate, dp_shard). A rank's index
+in its shard group, `rank % T`, is then its vLLM TP rank, which is what `tp_layout` needs. Gradients are
 reduce-scattered within a group and all-reduced across groups (replicate dim: same shard index on every group).
 T must divide the GPUs per node: a TP group does an all-reduce per layer in generation, and the FSDP2 shard group an
 all-gather per layer in training, both over NVLink only within a node; a group straddling nodes is refused, with

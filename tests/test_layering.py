@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "ops": 2,
     "losses": 3,
     "config": 4,
-    "grpo": 5, "offload": 5, "vllm": 5, "tasks": 5,
+    "grpo": 5, "offload": 5, "vllm": 5, "tasks": 5, "sharding": 5,
     "checks": 6, "run_plan": 6,
     "planning": 7, "patches": 7,
     "__init__": 8, "cli": 8, "_launch": 8, "bench": 8, "testing": 8,

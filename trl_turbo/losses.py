@@ -169,7 +169,7 @@ def validate_loss_options(args: Any) -> None:
             "`vllm_importance_sampling_clip_min` / `vllm_importance_sampling_clip_max`."
         )
     loss_type = args.loss_type
-    if loss_type not in LOSS_FAMILY:  # unknown names are reported by trl_turbo.config.validate
+    if loss_type not in LOSS_FAMILY:  # unknown names are reported by trl_turbo.checks
         return
     family = LOSS_FAMILY[loss_type]
     if loss_type in TOKEN_LEVEL_ONLY and args.importance_sampling_level != "token":

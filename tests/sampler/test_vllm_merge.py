@@ -219,6 +219,23 @@ def _config(sampling):
                                  turbo_vllm_kv_cache_dtype="auto", turbo_vllm_sampling=sampling)
 
 
+def _engine_sampling(generation, config, sharing):
+    """The sampling mode an engine holding the weights as `sharing` says plans, with the run's warnings."""
+    from trl_turbo.config import Settings
+    from trl_turbo.vllm import engine_plan
+
+    if sharing is None:  # TRL's own engine
+        return None
+    settings = Settings.of(config)
+    mode, problems = engine_plan.sampling_from(settings.vllm_sampling, sharing,
+                                               engine_plan.engine_facts(generation.model))
+    plan = engine_plan.EnginePlan(sharing=sharing, sampling=mode, sampling_problems=tuple(problems),
+                                  parks_while_starting=False, fp8_parks_base=False, fp8_park_problem=None,
+                                  standby=False, kv_cache_dtype=settings.vllm_kv_cache_dtype)
+    engine_plan.warn_engine_plan(plan, settings)
+    return mode
+
+
 def test_engine_samples_merged_where_it_can_and_through_lora_slots_otherwise(monkeypatch):
     import warnings
 
@@ -231,20 +248,20 @@ def test_engine_samples_merged_where_it_can_and_through_lora_slots_otherwise(mon
     monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 64 * 2**30)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the default choice warns about nothing
-        assert engine_plan.engine_sampling(generation, _config("auto"), shared) == "merged"
-        assert engine_plan.engine_sampling(generation, _config("merged"), shared) == "merged"
-        assert engine_plan.engine_sampling(generation, _config("lora"), shared) == "lora"
-        assert engine_plan.engine_sampling(generation, _config("auto"), copy) == "lora"
-        assert engine_plan.engine_sampling(generation, _config("auto"), None) is None  # TRL's own engine
+        assert _engine_sampling(generation, _config("auto"), shared) == "merged"
+        assert _engine_sampling(generation, _config("merged"), shared) == "merged"
+        assert _engine_sampling(generation, _config("lora"), shared) == "lora"
+        assert _engine_sampling(generation, _config("auto"), copy) == "lora"
+        assert _engine_sampling(generation, _config("auto"), None) is None  # TRL's own engine
     merged_kwargs = engine_plan.engine_kwargs(generation, _config("auto"), shared, "merged")
     assert "enable_lora" not in merged_kwargs and merged_kwargs["load_format"] == "dummy"  # no LoRA slots
     assert engine_plan.engine_kwargs(generation, _config("lora"), shared, "lora")["enable_lora"]
     with pytest.warns(RuntimeWarning, match="separate copy.*LoRA layers"):
-        assert engine_plan.engine_sampling(generation, _config("merged"), copy) == "lora"
+        assert _engine_sampling(generation, _config("merged"), copy) == "lora"
     monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 2**10)  # a host copy would not fit
-    assert engine_plan.engine_sampling(generation, _config("auto"), shared) == "lora"
+    assert _engine_sampling(generation, _config("auto"), shared) == "lora"
     with pytest.warns(RuntimeWarning, match="host copy"):
-        assert engine_plan.engine_sampling(generation, _config("merged"), shared) == "lora"
+        assert _engine_sampling(generation, _config("merged"), shared) == "lora"
 
 
 class _StandInLLM:
@@ -312,13 +329,12 @@ def test_shared_4bit_weights_sample_through_lora_slots(tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
     from helpers import quantized_peft_model
 
-    from trl_turbo.vllm import engine_plan
     from trl_turbo.vllm.sharing import sharing_mode
 
     model = quantized_peft_model(tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                   bnb_4bit_compute_dtype=torch.bfloat16)
     sharing = sharing_mode(model)
     assert sharing.mode == "shared"
-    assert engine_plan.engine_sampling(_generation(model), _config("auto"), sharing) == "lora"
+    assert _engine_sampling(_generation(model), _config("auto"), sharing) == "lora"
     with pytest.warns(RuntimeWarning, match="4-bit"):
-        assert engine_plan.engine_sampling(_generation(model), _config("merged"), sharing) == "lora"
+        assert _engine_sampling(_generation(model), _config("merged"), sharing) == "lora"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import StandInVllmModel, needs_bnb, quantized_peft_model, tiny_llama
 
+from trl_turbo.config import Settings
 from trl_turbo.patches import construction, trl_vllm
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
@@ -59,14 +60,19 @@ def test_a_layout_only_the_loaded_model_shows_is_warned_about_when_the_engine_is
     model.config.quantization_config.llm_int8_skip_modules = None  # the config no longer tells (foreseen: nothing)
     sharing = sharing_mode(model)
     assert sharing.mode == COPY and sharing.unforeseen == sharing.reasons
-    generation = types.SimpleNamespace(mode="colocate", model=model)
-    config = types.SimpleNamespace(turbo_vllm_shared_weights=True)
+    settings = Settings.of(types.SimpleNamespace(turbo_vllm_shared_weights=True))
+
+    def engine_sharing():  # as the vLLM seam plans and warns
+        plan = engine_plan.plan_engine(settings, engine_plan.engine_facts(model))
+        engine_plan.warn_engine_plan(plan, settings)
+        return plan.sharing
+
     with pytest.warns(RuntimeWarning, match="LM head is 4-bit.*separate 16-bit copy.*dequantized"):
-        assert engine_plan.engine_sharing(generation, config) == sharing
+        assert engine_sharing() == sharing
     model.config.quantization_config.load_in_4bit, model.config.quantization_config.load_in_8bit = False, True
     with warnings.catch_warnings():  # warned at config time already: the engine stays quiet
         warnings.simplefilter("error")
-        assert engine_plan.engine_sharing(generation, config).unforeseen == ()
+        assert engine_sharing().unforeseen == ()
 
 
 # ------------------------------------------------------------------------------------------ dequantized state

@@ -45,7 +45,7 @@ from .quantized import (
     statistics_bytes,
     vllm_quantization_config,
 )
-from .sharing import COPY, SHARED, Sharing, fallback_warning, sharing_for, sharing_mode
+from .sharing import COPY, SHARED, Sharing, fallback_warning, sharing_for
 
 _DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 FP8_BYTES = 1
@@ -177,28 +177,6 @@ def warn_engine_plan(plan: EnginePlan, settings: Settings) -> None:
 def _merged_refused(problems: tuple[str, ...] | list[str]) -> str:
     return (f"trl_turbo: `turbo_vllm_sampling='merged'` cannot serve this run: {'; '.join(problems)}. vLLM samples "
             "through its LoRA layers instead (`turbo_vllm_sampling='lora'`, about 1.2x slower generation).")
-
-
-def engine_sharing(generation: Any, config: Any) -> Sharing | None:
-    """How this engine holds the base weights (None: TRL's way, without shared weights)."""
-    if generation.mode != "colocate" or config is None or not Settings.of(config).vllm_shared_weights:
-        return None
-    sharing = sharing_mode(generation.model)
-    if sharing.unforeseen:
-        warnings.warn(fallback_warning(sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=2)
-    return sharing
-
-
-def engine_sampling(generation: Any, config: Any, sharing: Sharing | None) -> SamplingMode | None:
-    """How an engine with shared weights (or a separate copy) samples from the adapter: "merged" where it can
-    serve, else "lora" (with a warning naming why when "merged" was asked for)."""
-    if sharing is None:
-        return None
-    settings = Settings.of(config)
-    mode, problems = sampling_from(settings.vllm_sampling, sharing, engine_facts(generation.model))
-    if settings.vllm_sampling is SamplingMode.MERGED and mode is not SamplingMode.MERGED:
-        warnings.warn(_merged_refused(problems), RuntimeWarning, stacklevel=2)
-    return mode
 
 
 def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,

@@ -3,11 +3,11 @@
 Design decision: with `turbo_vllm_shared_weights`, a model whose weights vLLM cannot hold in a layout the training
 model could view (a model type whose layout trl_turbo does not map, 8-bit or non-uint8 4-bit bitsandbytes layers,
 layers transformers and vLLM would quantize differently, 4-bit weights on a vLLM without its bitsandbytes loader) is
-not refused: vLLM holds a separate 16-bit copy of the
-base weights, made from the training model's own weights (dequantized where quantized), and the adapter still goes
-to vLLM as tensors. The reasons are named once at config time, before the model loads (`copy_reasons`, a warning),
-and the mode is decided once per engine from the loaded model and its config (`sharing_mode`), so every rank of a
-multi-GPU run decides alike. What a copy cannot serve stays an error: a quantization method other than bitsandbytes
+not refused: vLLM holds a separate 16-bit copy of the base weights, made from the training model's own weights
+(dequantized where quantized), and the adapter still goes to vLLM as tensors. The reasons the config shows are named
+once when the trainer is built, before the model loads (`copy_reasons`, a warning), and the mode is decided once per
+engine from the loaded model and its config (`sharing_for`, called by the engine plan), so every rank of a multi-GPU
+run decides alike. What a copy cannot serve stays an error: a quantization method other than bitsandbytes
 (nothing here can dequantize it).
 """
 

@@ -249,7 +249,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
 
-    from ..run_plan import liger_layers_enabled
+    from .. import run_plan
     from . import set_patched
 
     variant = spec["variant"]
@@ -296,7 +296,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["init_s"] = time.perf_counter() - start
             row["init_used_gib"] = sampler.used() / GIB
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
-            row["liger_layers"] = variant != "stock" and liger_layers_enabled(trainer.args)  # resolved from auto
+            row["liger_layers"] = variant != "stock" and run_plan.of(trainer).memory.liger  # resolved from auto
+            if variant != "stock":
+                row["run_plan"] = run_plan.of(trainer).describe()  # the decisions the row was measured under
             from ..vllm.engine_plan import engine_state
 
             engine = engine_state(trainer.vllm_generation)

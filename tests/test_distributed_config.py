@@ -91,9 +91,9 @@ def test_offload_and_tiles_stay_off_with_a_warning_only_where_parameters_are_sha
         message = str(ours[0].message)
         assert "`turbo_offload_checkpoints` and `turbo_tiled_mlp`" in message and strategy.value in message
         assert "DDP or ZeRO-1/2" in message  # names the alternative
-    from trl_turbo.run_plan import strategy_keeps_stock_checkpointing
+    from trl_turbo.run_plan import strategy_refusal
 
-    assert strategy_keeps_stock_checkpointing(args) is (strategy not in WHOLE)
+    assert (strategy_refusal(args) is not None) is (strategy not in WHOLE)
 
 
 def test_no_warning_when_the_features_are_off_or_checkpointing_is(monkeypatch):

@@ -53,7 +53,8 @@ def test_a_forecast_decides_the_engine_as_the_loaded_model_does(shape):
     loaded = engine_facts(model, host_bytes=HOST)
     counted = spec_engine_facts(model_spec(build_config(shape), 16, "all-linear"), quantized_4bit=False,
                                 nested_4bit=True, host_capacity_bytes=HOST)
-    assert counted == dataclasses.replace(loaded, merge_problems=counted.merge_problems)
+    # a forecast judges for another machine: not by the vLLM installed here
+    assert counted == dataclasses.replace(loaded, merge_problems=counted.merge_problems, installed_vllm=False)
     for case, fields in ENGINE_CASES.items():
         settings = Settings.of(types.SimpleNamespace(**fields))
         assert plan_engine(settings, counted) == plan_engine(settings, loaded), (shape, case)
@@ -63,26 +64,70 @@ def test_a_forecast_decides_the_engine_as_the_loaded_model_does(shape):
 
 
 def test_a_trainer_resolves_the_plan_the_forecast_reports(tmp_path):
-    """A CPU-built trainer's memory policy and settings are those `run_plan.forecast` gives for its config."""
+    """A CPU-built trainer's plan is the one `trl-turbo plan` builds from the same config values (read as the
+    forecast reads a YAML file, not from the trainer's config object)."""
+    from trl_turbo.planning import _grpo_fields
     from trl_turbo.testing import parity
 
     for fields in ({}, {"turbo_memory_plan": "min"}, {"turbo_memory_plan": "off"}, {"turbo_tiled_mlp": False},
-                   {"turbo_training_memory_gib": 12.0}):
-        trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
-                                                                 **fields), peft=True)
-        plan = run_plan.of(trainer)
-        assert trainer.__dict__[run_plan.PLAN_ATTRIBUTE] is plan
-        forecast = run_plan.forecast(trainer.args, engine_facts=None, cuda_device=False)
+                   {"turbo_training_memory_gib": 12.0}, {"turbo_lean_norms": False, "turbo_forward_token_budget": 64}):
+        values = parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True, **fields)
+        trainer = parity.build_trainer(values, peft=True)
+        plan = trainer.__dict__[run_plan.PLAN_ATTRIBUTE]
+        args, _ = _grpo_fields({k: v for k, v in values.items() if k != "output_dir"})
+        forecast = run_plan.forecast(args, engine_facts=None, cuda_device=False)
         assert plan.describe() == forecast.describe(), fields
         assert plan.settings == forecast.settings
+        assert plan.memory.mode == fields.get("turbo_memory_plan", "auto")
 
 
-def test_no_check_changes_the_config(tmp_path):
+def test_no_check_changes_the_config(tmp_path, monkeypatch):
+    """On a vLLM only checked against its sources, the rollout alarm is raised to 'error' by the plan, not by
+    rewriting the config (which the old check did)."""
+    import warnings
+
+    from helpers import as_if_vllm_installed
     from trl import GRPOConfig
 
-    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    before = {item.name: getattr(config, item.name) for item in TURBO_FIELDS}
     from trl_turbo.checks import check_config
+    from trl_turbo.vllm_contract import _installed_verdict
 
-    check_config(config)
-    assert {item.name: getattr(config, item.name) for item in TURBO_FIELDS} == before
+    tree = tmp_path / "vllm"
+    (tree / "vllm").mkdir(parents=True)
+    as_if_vllm_installed(monkeypatch, "0.27.1", tree / "vllm")
+    monkeypatch.setattr("trl_turbo.vllm_contract.verdict", lambda version, package: types.SimpleNamespace(
+        error=None, notice="vllm==0.27.1 is not GPU-verified", why_unavailable=lambda feature: None))
+    _installed_verdict.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True,
+                                vllm_mode="colocate", turbo_vllm_standby=True)
+            before = {item.name: getattr(config, item.name) for item in TURBO_FIELDS}
+            check_config(config)
+        assert {item.name: getattr(config, item.name) for item in TURBO_FIELDS} == before
+        assert config.turbo_rollout_check == "warn"
+        assert run_plan.rollout_check(Settings.of(config)) == "error"
+        assert run_plan.rollout_check(Settings.of(config), installed=False) == "warn"  # a forecast for elsewhere
+    finally:
+        _installed_verdict.cache_clear()
+
+
+def test_the_forecast_counts_the_host_copy_merged_sampling_takes_and_falls_back_as_the_run_does():
+    """Merged sampling's host copy holds the adapted matrices only (2 bytes each); where it would not fit the host,
+    the run samples through LoRA slots, and so does the forecast."""
+    from trl_turbo.planning.run import forecast_run
+
+    args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", turbo_vllm_shared_weights=True,
+                                 turbo_vllm_standby=True, per_device_train_batch_size=8, max_completion_length=1024)
+    config = build_config("qwen2.5-1.5b")
+    every, some = model_spec(config, 16, "all-linear"), model_spec(config, 16, ["q_proj", "v_proj"])
+    assert 0 < some.adapted_parameters < every.adapted_parameters == every.layer_linear_parameters
+    for spec in (every, some):
+        forecast = forecast_run(args, spec, capacity_bytes=80 * 2**30, host_capacity_bytes=HOST)
+        assert forecast.plan.engine.sampling is SamplingMode.MERGED
+        generation = next(phase for phase in forecast.phases if phase.name == "generation")
+        assert generation.host_bytes == 2 * spec.adapted_parameters
+    small = forecast_run(args, every, capacity_bytes=80 * 2**30, host_capacity_bytes=2**30)
+    assert small.plan.engine.sampling is SamplingMode.LORA and "host copy" in small.plan.engine.sampling_problems[0]
+    assert next(phase for phase in small.phases if phase.name == "generation").host_bytes == 0

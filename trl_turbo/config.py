@@ -4,8 +4,9 @@ Design: the user surface stays TRL's own `GRPOConfig`. `install()` turns the fie
 of `trl.GRPOConfig` (and of its subclasses that exist at that moment) in place, keeping class identity, so
 `GRPOConfig(turbo_...=...)`, `HfArgumentParser`, `TrlParser` YAML, `trl-turbo grpo --turbo_...`, pickling and
 `copy.deepcopy` all work. Every name starts with `turbo_` so it can never collide with a field TRL adds later.
-Each default is declared once, here; `Settings.of(config)` is the one place the fields are read (modes become
-StrEnums), and the checks of a config live in `trl_turbo.checks`.
+Each default is declared once, here. `Settings.of(config)` is how every decision reads the fields (modes become
+StrEnums); the loss spec reads its own fields (`losses.LossSpec.from_trainer`), and the checks of a config live in
+`trl_turbo.checks`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,14 @@ from .checks import check_trainer, liger_unavailable
 from .config import RolloutCheckMode, Settings
 from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
 from .offload.policy import MemoryPolicy, plan_memory
-from .vllm.engine_plan import EngineFacts, EnginePlan, generation_footprint, plan_engine
+from .vllm.engine_plan import (
+    EngineFacts,
+    EnginePlan,
+    engine_facts,
+    generation_footprint,
+    plan_engine,
+    warn_engine_plan,
+)
 
 PLAN_ATTRIBUTE = "_trl_turbo_plan"  # set on the GRPOTrainer by `patches.trl_trainer_init`
 
@@ -70,15 +77,12 @@ def strategy_refusal(args: Any) -> str | None:
     return next(iter(unsupported.values()), None)
 
 
-def strategy_keeps_stock_checkpointing(args: Any) -> bool:
-    return strategy_refusal(args) is not None
-
-
-def rollout_check(settings: Settings) -> RolloutCheckMode:
+def rollout_check(settings: Settings, *, installed: bool = True) -> RolloutCheckMode:
     """The rollout alarm's mode: a warning becomes an error on a vLLM that is checked against its sources but not
-    GPU-verified (a silent mismatch there would otherwise go unnoticed), where the engine features are on."""
+    GPU-verified (a silent mismatch there would otherwise go unnoticed), where the engine features are on
+    (`installed=False`, a forecast for another machine: as set)."""
     engine_features = settings.vllm_shared_weights or settings.vllm_standby or settings.vllm_kv_cache_dtype.is_fp8
-    if settings.rollout_check is not RolloutCheckMode.WARN or not engine_features:
+    if settings.rollout_check is not RolloutCheckMode.WARN or not engine_features or not installed:
         return settings.rollout_check
     from .vllm_contract import installed_verdict
 
@@ -120,6 +124,17 @@ def finish(progress: PlanInProgress, trainer: Any) -> RunPlan:
                  cuda_device=getattr(device, "type", None) == "cuda", liger_enabled=liger_layers_enabled(args))
 
 
+def plan_engine_for(config: Any, generation: Any) -> EnginePlan:
+    """The plan of the engine TRL builds (a `VLLMGeneration`) for the trainer of `config` (None: TRL's default config),
+    from the loaded policy model; the run's warnings about it are given here."""
+    settings = Settings.of(config)
+    colocate = generation.mode == "colocate"
+    facts = engine_facts(generation.model) if colocate and settings.vllm_shared_weights else None
+    plan = plan_engine(settings, facts, colocate=colocate)
+    warn_engine_plan(plan, settings)
+    return plan
+
+
 def footprint_of(trainer: Any):
     """The ceiling function of a standby engine: the device memory its last generation used (None once gone)."""
     generation_ref = weakref.ref(trainer.vllm_generation)
@@ -127,28 +142,34 @@ def footprint_of(trainer: Any):
 
 
 def of(trainer: Any) -> RunPlan:
-    """The trainer's plan; for a trainer constructed without trl_turbo's constructor, one from its config alone
-    (no engine plan, no device)."""
+    """The trainer's plan. Its settings follow `trainer.args` (a field changed after construction takes effect, as
+    the per-step switches read it); the engine and memory decisions stay those made at construction. A trainer
+    constructed without trl_turbo's constructor gets one from its config alone (no engine plan, no device)."""
     plan = trainer.__dict__.get(PLAN_ATTRIBUTE) if hasattr(trainer, "__dict__") else None
-    if plan is not None:
-        return plan
-    return _plan(trainer.args, Settings.of(trainer.args), None, cuda_device=False, liger_enabled=False)
+    settings = Settings.of(trainer.args)
+    if plan is None:
+        return _plan(trainer.args, settings, None, cuda_device=False, liger_enabled=False)
+    if settings != plan.settings:
+        return dataclasses.replace(plan, settings=settings, rollout_check=rollout_check(settings))
+    return plan
 
 
 def _plan(args: Any, settings: Settings, engine: EnginePlan | None, *, cuda_device: bool,
-          liger_enabled: bool) -> RunPlan:
+          liger_enabled: bool, installed: bool = True) -> RunPlan:
     memory = plan_memory(
         settings, gradient_checkpointing=bool(getattr(args, "gradient_checkpointing", True)),
         strategy_refusal=strategy_refusal(args), cuda_device=cuda_device, liger_enabled=liger_enabled,
         standby_engine=engine is not None and engine.standby)
-    return RunPlan(settings, detect_strategy(args), rollout_check(settings), memory, engine)
+    return RunPlan(settings, detect_strategy(args), rollout_check(settings, installed=installed), memory, engine)
 
 
 # ------------------------------------------------------------------------------------------------ forecast
 def forecast(args: Any, *, engine_facts: EngineFacts | None, cuda_device: bool = True,
              liger_enabled: bool = False) -> RunPlan:
     """The plan of the run `args` describes, from facts instead of a loaded model and a trainer (`trl-turbo plan`;
-    `engine_facts`: the policy model's, needed with shared weights). Liger's layers are not forecast."""
+    `engine_facts`: the policy model's, needed with shared weights; judged by the installed vLLM as the facts say).
+    Liger's layers are not forecast."""
     settings = Settings.of(args)
     engine = plan_engine(settings, engine_facts) if _colocated(args) else None
-    return _plan(args, settings, engine, cuda_device=cuda_device, liger_enabled=liger_enabled)
+    installed = engine_facts.installed_vllm if engine_facts is not None else True
+    return _plan(args, settings, engine, cuda_device=cuda_device, liger_enabled=liger_enabled, installed=installed)

@@ -309,6 +309,7 @@ def test_trainer_installs_runtime_and_tiles(tmp_path):
     trainer = parity.build_trainer(parity.base_config_kwargs(str(tmp_path), gradient_checkpointing=True,
                                                              turbo_tiled_mlp_tokens=4), peft=True)
     base = trainer.model.get_base_model()
+    assert isinstance(runtime_of(trainer.model), CheckpointingRuntime)
     assert runtime_of(trainer.model) is base._trl_turbo_checkpointing
     assert runtime_of(trainer.model).offloader is None  # no CUDA device: nothing to offload to
     assert all(isinstance(layer.mlp.forward, TiledMLPForward) for layer in base.model.layers)

@@ -202,6 +202,7 @@ def test_trainer_inputs_without_an_fp8_gpu_are_refused_before_loading(monkeypatc
 
 
 def test_the_fp8_engine_quantizes_online_without_lora_slots():
+    from trl_turbo.config import Settings
     from trl_turbo.vllm import engine_plan
     from trl_turbo.vllm.sharing import Sharing
 
@@ -211,7 +212,8 @@ def test_the_fp8_engine_quantizes_online_without_lora_slots():
         max_completion_length=64)
     config = types.SimpleNamespace(turbo_vllm_shared_weights=True, turbo_vllm_standby=False,
                                    turbo_vllm_kv_cache_dtype="fp8", turbo_vllm_sampling="fp8")
-    assert engine_plan.engine_sampling(generation, config, Sharing()) == "fp8"
+    settings = Settings.of(config)
+    assert engine_plan.plan_engine(settings, engine_plan.engine_facts(model)).sampling == "fp8"
     kwargs = engine_plan.engine_kwargs(generation, config, Sharing(), "fp8")
     assert kwargs["quantization"] == "fp8" and kwargs["load_format"] == "dummy" and "enable_lora" not in kwargs
     assert kwargs["kv_cache_dtype"] == "fp8" and kwargs["dtype"] == "bfloat16"
@@ -296,10 +298,11 @@ def test_fp8_parks_16_bit_weights_when_the_host_copy_fits(monkeypatch, tmp_path)
     model = _lora_model()
     settings = Settings.of(types.SimpleNamespace(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8"))
 
-    def fp8_parks_base() -> bool:
-        plan = engine_plan.plan_engine(settings, engine_plan.engine_facts(model))
-        engine_plan.warn_engine_plan(plan, settings)
-        return plan.fp8_parks_base
+    def fp8_parks_base() -> bool:  # as the engine decides once it has started (the plan forecasts the same)
+        parks, problem = engine_plan.fp8_parking(engine_plan.engine_facts(model))
+        assert engine_plan.plan_engine(settings, engine_plan.engine_facts(model)).fp8_parks_base is parks
+        engine_plan.warn_fp8_parking(problem)
+        return parks
 
     monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 64 * 2**30)
     assert fp8_parks_base()

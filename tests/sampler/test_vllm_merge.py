@@ -237,8 +237,10 @@ def _engine_sampling(generation, config, sharing):
 
 
 def test_engine_samples_merged_where_it_can_and_through_lora_slots_otherwise(monkeypatch):
+    import types
     import warnings
 
+    from trl_turbo.config import Settings
     from trl_turbo.vllm import engine_plan
     from trl_turbo.vllm.sharing import Sharing
 
@@ -252,7 +254,8 @@ def test_engine_samples_merged_where_it_can_and_through_lora_slots_otherwise(mon
         assert _engine_sampling(generation, _config("merged"), shared) == "merged"
         assert _engine_sampling(generation, _config("lora"), shared) == "lora"
         assert _engine_sampling(generation, _config("auto"), copy) == "lora"
-        assert _engine_sampling(generation, _config("auto"), None) is None  # TRL's own engine
+        settings = Settings.of(types.SimpleNamespace(turbo_vllm_shared_weights=False))
+        assert engine_plan.plan_engine(settings, None).sampling is None  # TRL's own engine
     merged_kwargs = engine_plan.engine_kwargs(generation, _config("auto"), shared, "merged")
     assert "enable_lora" not in merged_kwargs and merged_kwargs["load_format"] == "dummy"  # no LoRA slots
     assert engine_plan.engine_kwargs(generation, _config("lora"), shared, "lora")["enable_lora"]

@@ -271,7 +271,8 @@ def test_trl_probe_is_off_only_while_a_separate_copy_is_built(trl_module, monkey
     config = _engine_config(turbo_vllm_match_precision=True)
     monkeypatch.setattr(construction, "constructing_config", lambda: config)
     features = []
-    monkeypatch.setattr(trl_vllm.engine_session, "start_engine", lambda *args: features.append(args[1].sharing))
+    monkeypatch.setattr(trl_vllm.engine_session, "start_engine",
+                        lambda *args: (features.append(args[1].sharing), args[1]))
     generation = _generation(_phi3(), "bf16")
 
     trl_vllm._wrap_init_vllm(_trl_init_vllm)(generation)

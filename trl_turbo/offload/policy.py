@@ -13,11 +13,11 @@ from ..config import MemoryPlanMode, Settings, StrEnum
 
 
 class CeilingSource(StrEnum):
-    """What bounds the memory the automatic plan lets layers keep activations in."""
+    """What bounds the memory in which the automatic plan lets layers keep their activations."""
 
-    DEVICE = "the whole device"
-    USER = "turbo_training_memory_gib"
-    GENERATION = "the last generation's footprint (vLLM standby)"
+    DEVICE = "device"  # the whole device
+    USER = "turbo_training_memory_gib"  # the user's figure
+    GENERATION = "generation"  # what the last generation used (vLLM standby)
 
 
 @dataclass(frozen=True)

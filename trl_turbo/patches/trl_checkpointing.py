@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from ..offload.install import CheckpointingRuntime
 from ..offload.setup import apply_memory_policy
 from ..run_plan import RunPlan, footprint_of
 
@@ -22,14 +21,14 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
-def configure(trainer: Any, plan: RunPlan) -> CheckpointingRuntime | None:
-    """Install the plan's memory features on the trainer's model; returns the checkpointing runtime (None:
-    transformers' checkpointing stays)."""
+def configure(trainer: Any, plan: RunPlan) -> None:
+    """Install the plan's memory features on the trainer's model (its checkpointing runtime, where one is installed,
+    is `offload.install.runtime_of(model)`)."""
     model = _base_model(trainer.model)
     if model is None:
-        return None
+        return
+    footprint = footprint_of(trainer) if getattr(trainer, "vllm_generation", None) is not None else None
     # The accelerator's device, not the parameters': DeepSpeed and FSDP move the model there only when training
     # starts, after this runs.
-    footprint = footprint_of(trainer) if getattr(trainer, "vllm_generation", None) is not None else None
-    return apply_memory_policy(model, plan.memory, trainer.accelerator.device, plan.settings.offload_host_budget_gib,
-                               footprint)
+    apply_memory_policy(model, plan.memory, trainer.accelerator.device, plan.settings.offload_host_budget_gib,
+                        footprint)

@@ -27,19 +27,11 @@ import sys
 import time
 from typing import Any
 
-from .. import registry
-from ..config import Settings
+from .. import registry, run_plan
 from ..vllm import engine as vllm_engine
 from ..vllm import session as engine_session
 from ..vllm.adapter import adapter_config_dict, adapter_tensors
-from ..vllm.engine_plan import (
-    ENGINE_STATE_ATTRIBUTE,
-    engine_facts,
-    engine_kwargs,
-    engine_state,
-    plan_engine,
-    warn_engine_plan,
-)
+from ..vllm.engine_plan import ENGINE_STATE_ATTRIBUTE, engine_kwargs, engine_state
 from . import construction
 
 __all__ = ["apply"]
@@ -48,18 +40,15 @@ __all__ = ["apply"]
 def _wrap_init_vllm(original):
     @functools.wraps(original)
     def _init_vllm(self):
+        progress = construction.constructing_plan()
         config = construction.constructing_config()
-        settings = Settings.of(config)
-        colocate = self.mode == "colocate"
-        facts = engine_facts(self.model) if colocate and settings.vllm_shared_weights else None
-        plan = plan_engine(settings, facts, colocate=colocate)
-        warn_engine_plan(plan, settings)
+        plan = run_plan.plan_engine_for(config, self)
         parked = vllm_engine.ParkedWeights(self.model) if plan.parks_while_starting else None
         try:  # one copy on the device even while vLLM starts
             kwargs = engine_kwargs(self, config, plan.sharing, plan.sampling)
             plan = dataclasses.replace(plan, engine_kwargs=dict(kwargs))
-            progress = construction.constructing_plan()
-            if progress is not None and colocate:
+            record = progress is not None and self.mode == "colocate"
+            if record:
                 progress.engine = plan
             module = sys.modules[original.__module__]
             llm_cls = getattr(module, "LLM", None)
@@ -75,7 +64,10 @@ def _wrap_init_vllm(original):
             with feeding, _module_attributes(module, _trl_attributes(llm_with_turbo_arguments, kwargs)):
                 result = original(self)
             if plan.sharing is not None or plan.standby:
-                setattr(self, ENGINE_STATE_ATTRIBUTE, engine_session.start_engine(self, plan, parked))
+                state, plan = engine_session.start_engine(self, plan, parked)
+                setattr(self, ENGINE_STATE_ATTRIBUTE, state)
+                if record:
+                    progress.engine = plan  # with the fp8 parking decided once the engine exists
             return result
         finally:
             if parked is not None:

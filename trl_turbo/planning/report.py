@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..offload.memory_plan import describe_plan
+from ..vllm.sharing import SharingMode
 from .training import CONTEXT_BYTES
 
 _GIB = 2**30
@@ -66,7 +67,7 @@ def _decisions(plan: Any) -> list[str]:
     lines = []
     engine = plan.engine
     if engine is not None and engine.sharing is not None:
-        held = ("shared with the trainer" if engine.sharing.mode == "shared"
+        held = ("shared with the trainer" if engine.sharing.mode is SharingMode.SHARED
                 else f"a separate 16-bit copy ({'; '.join(engine.sharing.reasons)})")
         lines.append(f"vLLM: base weights {held}; {engine.sampling.value} sampling"
                      + (f" ({'; '.join(engine.sampling_problems)})" if engine.sampling_problems else "")
@@ -78,7 +79,9 @@ def _decisions(plan: Any) -> list[str]:
                                       ("trl_turbo's checkpointing", memory.checkpointing),
                                       ("offloaded checkpoints", memory.offload),
                                       ("tiled MLP", memory.tiled_mlp_tokens is not None)) if on]
-    lines.append(f"memory: {', '.join(features) or 'stock'}; ceiling {memory.ceiling.value}"
+    ceiling = {"device": "the whole device", "generation": "the last generation's footprint"}.get(memory.ceiling.value,
+                                                                                               memory.ceiling.value)
+    lines.append(f"memory: {', '.join(features) or 'stock'}; ceiling {ceiling}"
                  + (f" ({memory.ceiling_gib} GiB)" if memory.ceiling_gib is not None else "")
                  + "".join(f"; off: {why}" for why in memory.why_off))
     return lines

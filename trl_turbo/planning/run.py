@@ -91,7 +91,8 @@ def spec_engine_facts(spec: ModelSpec, *, quantized_4bit: bool, nested_4bit: boo
         four_bit=quantized_4bit, layout_problems=(), merge_problems=(),
         adapted_weight_bytes=2 * spec.adapted_parameters,
         linear_weight_bytes=0 if quantized_4bit else 2 * spec.layer_linear_parameters,
-        processes_on_host=1, host_bytes=host_capacity_bytes if host_capacity_bytes is not None else 2**62)
+        processes_on_host=1, host_bytes=host_capacity_bytes if host_capacity_bytes is not None else 2**62,
+        installed_vllm=False)
 
 
 def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nested_4bit: bool = True,
@@ -239,7 +240,7 @@ def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, complet
         mode=MemoryPlanMode.OFF if plan is None else plan.memory.mode, capacity_bytes=capacity_bytes,
         static_bytes=static_bytes, quantized_4bit=quantized_4bit,
         forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,
-        tiled_mlp_tokens=plan.settings.tiled_mlp_tokens if plan is not None and plan.settings.tiled_mlp else None,
+        tiled_mlp_tokens=plan.memory.tiled_mlp_tokens if plan is not None else None,
         gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling)
 
 
@@ -249,7 +250,7 @@ def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_
     """The longest completion (a multiple of 256 tokens, within the model's context) whose run fits; for "auto",
     judged by its most frugal plan, to which it falls back."""
     frugal = args
-    if not stock and run_plan_of(args, spec).memory.mode is MemoryPlanMode.AUTO:
+    if not stock and Settings.of(args).memory_plan is MemoryPlanMode.AUTO:
         frugal = Override(args, turbo_memory_plan="min")
 
     def fits(tokens: int) -> bool:

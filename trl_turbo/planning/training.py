@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import MemoryPlanMode
 from ..families import LLAMA_NORM_MODEL_TYPES, POST_MLP_NORM_MODEL_TYPES
 from ..grpo.sequence_groups import group_count
 from ..offload.memory_plan import (
@@ -104,7 +105,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     unit = spec.hidden_size * ACTIVATION_BYTES  # one hidden-size tensor per token
     attention, mlp = layer_states(spec, quantized_4bit)
     adapter_grads = 4 * spec.lora_parameters
-    if mode == "off":
+    if mode == MemoryPlanMode.OFF:
         tokens = batch.sequences * batch.sequence_tokens
         per_token = (spec.layers + 2 * (attention + mlp)) if gradient_checkpointing else spec.layers * (attention + mlp)
         peak = static_bytes + adapter_grads + int(per_token * unit * tokens)
@@ -122,7 +123,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         recompute = int(2 * (attention * forward_tokens + mlp * min(forward_tokens, tile)) * unit)
         return static_bytes + adapter_grads + 2 * forward_tokens * unit + recompute
 
-    if mode == "min":
+    if mode == MemoryPlanMode.MIN:
         peak = frugal_peak(tokens)
         return TrainingForecast(mode, peak, peak, rows, groups, None, (spec.layers - 1) * tokens * unit)
 

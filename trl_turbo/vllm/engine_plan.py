@@ -1,10 +1,12 @@
 """The colocated engine's plan, decided once per engine before vLLM is built: how it holds the base weights (shared,
-or a separate copy), how it samples from the adapter (merged or through LoRA slots), its arguments (precision, LoRA
-slots, quantization, KV dtype and budget), and what trl_turbo keeps per engine (`EngineState`, its metrics).
+or a separate copy), how it samples from the adapter (merged, through LoRA slots, or an fp8 copy), whether the
+training model's weights are parked, and the arguments vLLM is built with (precision, LoRA slots, quantization, KV
+dtype and budget); and what trl_turbo keeps per engine (`EngineState`, its metrics).
 
-Design decision: this is feature code. It reads the trainer's config and the loaded model, never a host library's
-internals; `trl_turbo.patches.trl_vllm` passes it the config TRL does not hand to the engine and applies what it
-decides, and `trl_turbo.vllm.engine` is the one module that reaches into vLLM.
+Design decision: the decisions are a pure function (`plan_engine`) of the run's settings and the facts of the policy
+model (`EngineFacts`), which a run takes from the loaded model (`engine_facts`) and `trl-turbo plan` from the model's
+counted config, so a forecast and a run decide alike. `trl_turbo.run_plan` calls it; the TRL seam
+(`patches.trl_vllm`) applies what it decides, and `trl_turbo.vllm.engine` is the one module that reaches into vLLM.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class EngineFacts:
     linear_weight_bytes: int  # the 16-bit linear base matrices vLLM quantizes (fp8 sampling parks them)
     processes_on_host: int
     host_bytes: int  # host memory available
+    installed_vllm: bool = True  # judge by the installed vLLM's abilities (a forecast for another machine: False)
 
 
 def engine_facts(model: Any, host_bytes: int | None = None) -> EngineFacts:
@@ -109,7 +112,9 @@ class EnginePlan:
     sampling: SamplingMode | None  # how the adapter reaches the sampler (None without `sharing`)
     sampling_problems: tuple[str, ...]  # why "merged" cannot serve (empty where it can)
     parks_while_starting: bool  # the training model's frozen weights wait on the host while vLLM starts
-    fp8_parks_base: bool  # fp8 sampling moves the 16-bit linear weights to the host while vLLM samples
+    # fp8 sampling moves the 16-bit linear weights to the host while vLLM samples (decided again, from the host
+    # memory available then, once the engine has started: `fp8_parking`)
+    fp8_parks_base: bool
     fp8_park_problem: str | None  # why they stay on the device
     standby: bool
     kv_cache_dtype: KVCacheDtype
@@ -143,40 +148,51 @@ def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts)
     return SamplingMode.MERGED, problems
 
 
+def fp8_parking(facts: EngineFacts) -> tuple[bool, str | None]:
+    """Whether fp8 sampling moves the training model's 16-bit linear weights to the host while vLLM samples: yes,
+    unless they are 4-bit (little to gain) or the pinned host copy does not fit (the reason)."""
+    if facts.four_bit:
+        return False, None
+    problem = host_copy_problem(facts.linear_weight_bytes, facts.processes_on_host, facts.host_bytes)
+    return problem is None, problem
+
+
 def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool = True) -> EnginePlan:
-    """The plan of an engine for a run with `settings` (`facts`: may be None without shared weights)."""
-    sharing = sampling = park_problem = None
+    """The plan of an engine for a run with `settings` (`facts`: needed with shared weights)."""
+    sharing = sampling = None
     problems: list[str] = []
     if colocate and settings.vllm_shared_weights:
-        sharing = sharing_for(facts.quantization, facts.model_type, facts.layout_problems)
+        if facts is None:
+            raise ValueError("the engine plan of shared weights needs the policy model's facts")
+        sharing = sharing_for(facts.quantization, facts.model_type, facts.layout_problems,
+                              installed=facts.installed_vllm)
         sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts)
     fp8 = sampling is SamplingMode.FP8
-    if fp8 and not facts.four_bit:
-        park_problem = host_copy_problem(facts.linear_weight_bytes, facts.processes_on_host, facts.host_bytes)
+    parks, park_problem = fp8_parking(facts) if fp8 else (False, None)
     return EnginePlan(
         sharing=sharing, sampling=sampling, sampling_problems=tuple(problems),
         parks_while_starting=sharing is not None and (sharing.mode == SHARED or fp8),
-        fp8_parks_base=fp8 and not facts.four_bit and park_problem is None, fp8_park_problem=park_problem,
+        fp8_parks_base=parks, fp8_park_problem=park_problem,
         standby=colocate and settings.vllm_standby, kv_cache_dtype=settings.vllm_kv_cache_dtype,
     )
 
 
 def warn_engine_plan(plan: EnginePlan, settings: Settings) -> None:
-    """The run's warnings about its engine plan: a separate copy only the loaded model showed, "merged" asked for
-    where it cannot serve, fp8 sampling that keeps the 16-bit weights on the device."""
+    """The run's warnings about its engine plan before vLLM starts: a separate copy only the loaded model showed,
+    "merged" asked for where it cannot serve."""
     if plan.sharing is not None and plan.sharing.unforeseen:
-        warnings.warn(fallback_warning(plan.sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=3)
+        warnings.warn(fallback_warning(plan.sharing.unforeseen, quantized=True), RuntimeWarning, stacklevel=4)
     if settings.vllm_sampling is SamplingMode.MERGED and plan.sampling is not SamplingMode.MERGED:
-        warnings.warn(_merged_refused(plan.sampling_problems), RuntimeWarning, stacklevel=3)
-    if plan.fp8_park_problem is not None:
+        warnings.warn(f"trl_turbo: `turbo_vllm_sampling='merged'` cannot serve this run: "
+                      f"{'; '.join(plan.sampling_problems)}. vLLM samples through its LoRA layers instead "
+                      "(`turbo_vllm_sampling='lora'`, about 1.2x slower generation).", RuntimeWarning, stacklevel=4)
+
+
+def warn_fp8_parking(problem: str | None) -> None:
+    if problem is not None:
         warnings.warn(f"trl_turbo: fp8 sampling keeps the 16-bit base weights on the device while vLLM samples "
-                      f"(about 2 bytes per linear weight more in the generation phase): {plan.fp8_park_problem}.",
-                      RuntimeWarning, stacklevel=3)
-
-
-def _merged_refused(problems: tuple[str, ...] | list[str]) -> str:
-    return (f"trl_turbo: `turbo_vllm_sampling='merged'` cannot serve this run: {'; '.join(problems)}. vLLM samples "
-            "through its LoRA layers instead (`turbo_vllm_sampling='lora'`, about 1.2x slower generation).")
+                      f"(about 2 bytes per linear weight more in the generation phase): {problem}.", RuntimeWarning,
+                      stacklevel=4)
 
 
 def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
@@ -247,7 +263,7 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_token = kv_bytes_per_token(
         layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=head_dim, dtype_bytes=1 if kv_cache_dtype.startswith("fp8") else 2,
+        head_dim=head_dim, dtype_bytes=1 if KVCacheDtype(kv_cache_dtype).is_fp8 else 2,
     )
     max_num_seqs = generation.max_num_seqs or 256
     useful = useful_kv_cache_bytes(

@@ -34,8 +34,6 @@ from .host_copy import HostCopy, guard_model
 from .merge import LoraTarget, lora_targets
 from .weight_views import LayoutMismatch, SharedView, hf_weight_name
 
-FP8 = "fp8"
-
 
 @dataclass(frozen=True)
 class Fp8Tensor:

@@ -192,16 +192,6 @@ def _synchronize(targets: list[LoraTarget]) -> None:
         torch.cuda.synchronize(device)
 
 
-MERGED = "merged"
-LORA = "lora"
-
-
-def choose_sampling(requested: str, problems: list[str]) -> str:
-    """The sampling mode of an engine with shared weights: "merged" where nothing stands against merging (`problems`,
-    from `merge_problems`, `host_copy_problem` and the weights' storage), else "lora"."""
-    if requested == LORA or problems:
-        return LORA
-    return MERGED
 
 
 def host_copy_problem(weight_bytes: int, processes_on_host: int, available_bytes: int) -> str | None:

@@ -12,6 +12,7 @@ back, on every way out (a return, an exception, a KeyboardInterrupt). vLLM is re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 
 from ..config import SamplingMode
 from . import engine as vllm_engine
-from .engine_plan import EnginePlan, EngineState
+from .engine_plan import EnginePlan, EngineState, engine_facts, fp8_parking, warn_fp8_parking
 from .fp8 import Fp8Sampling
 from .merge import MergedSampling
 from .sharing import SHARED
@@ -28,9 +29,10 @@ from .sharing import SHARED
 _GIB = 2**30
 
 
-def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> EngineState:
+def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[EngineState, EnginePlan]:
     """After vLLM is built: share (or copy) the base weights, set up the sampling mode, and release the KV cache when
-    it stands by. `parked`: the training model's frozen weights waiting on the host while vLLM started."""
+    it stands by. `parked`: the training model's frozen weights waiting on the host while vLLM started. Returns the
+    engine's state and its plan with the fp8 parking decided (from the host memory left once the engine exists)."""
     state = EngineState()
     llm, model = generation.llm, generation.model
     sharing, sampling = plan.sharing, plan.sampling
@@ -57,9 +59,13 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> EngineState:
         # fp8 copy went: the engine started while they waited on the host
         if parked is not None:
             parked.unpark()
+        # the host memory left once the engine holds its own: parking the 16-bit weights needs a pinned copy there
+        parks, problem = fp8_parking(engine_facts(model))
+        warn_fp8_parking(problem)
+        plan = dataclasses.replace(plan, fp8_parks_base=parks, fp8_park_problem=problem)
         state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
-                                park_base=plan.fp8_parks_base)
-    return state
+                                park_base=parks)
+    return state, plan
 
 
 @contextlib.contextmanager

@@ -19,13 +19,19 @@ from typing import Any
 
 import torch
 
+from ..config import StrEnum
 from ..families import SHARED_WEIGHT_MODEL_TYPES
 from ..vllm_contract import SHARED_4BIT, installed_verdict
 from .dequantized import unsupported_quantization
 from .quantized import layout_problems, quantization_config_dict, sharing_problems
 
-SHARED = "shared"
-COPY = "copy"
+
+class SharingMode(StrEnum):
+    SHARED = "shared"
+    COPY = "copy"
+
+
+SHARED, COPY = SharingMode.SHARED, SharingMode.COPY
 
 
 @dataclass(frozen=True)
@@ -36,13 +42,15 @@ class Sharing:
     unforeseen: tuple[str, ...] = ()  # those only the loaded model shows (config time could not name them)
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> SharingMode:
         return COPY if self.reasons else SHARED
 
 
-def copy_reasons(quantization: Mapping[str, Any] | None, model_type: str | None) -> list[str]:
+def copy_reasons(quantization: Mapping[str, Any] | None, model_type: str | None, *,
+                 installed: bool = True) -> list[str]:
     """Why a model of `model_type` quantized with `quantization` (None: 16-bit) cannot share its base weights with
-    vLLM (empty: it can), the installed vLLM's abilities included. Raises ValueError for a model no copy can serve."""
+    vLLM (empty: it can), the installed vLLM's abilities included unless `installed=False` (a forecast for another
+    machine). Raises ValueError for a model no copy can serve."""
     reasons = []
     if quantization is not None:
         problem = unsupported_quantization(quantization)
@@ -50,7 +58,7 @@ def copy_reasons(quantization: Mapping[str, Any] | None, model_type: str | None)
             raise ValueError(f"`turbo_vllm_shared_weights=True` can neither share nor copy this model's weights: "
                              f"{problem}; or set `turbo_vllm_shared_weights=False`.")
         reasons += sharing_problems(quantization)
-        lost = installed_verdict().why_unavailable(SHARED_4BIT)
+        lost = installed_verdict().why_unavailable(SHARED_4BIT) if installed else None
         if not reasons and lost is not None:
             reasons.append(f"this vLLM cannot load 4-bit weights ({lost})")
     if model_type is not None and model_type not in SHARED_WEIGHT_MODEL_TYPES:
@@ -66,10 +74,11 @@ def sharing_mode(model: torch.nn.Module) -> Sharing:
     return sharing_for(quantization, getattr(model.config, "model_type", None), layout)
 
 
-def sharing_for(quantization: Mapping[str, Any] | None, model_type: str | None, layout: Sequence[str]) -> Sharing:
+def sharing_for(quantization: Mapping[str, Any] | None, model_type: str | None, layout: Sequence[str], *,
+                installed: bool = True) -> Sharing:
     """The mode of an engine: what `copy_reasons` names from the config, and `layout`, the 4-bit layers of the loaded
     model that would not line up with vLLM's."""
-    foreseen = copy_reasons(quantization, model_type)
+    foreseen = copy_reasons(quantization, model_type, installed=installed)
     unforeseen = list(layout) if quantization is not None and not foreseen else []
     return Sharing(tuple(foreseen + unforeseen), tuple(unforeseen))
 

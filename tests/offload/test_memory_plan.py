@@ -14,7 +14,7 @@ from helpers import checkpointed_grads, decoder_model, token_batch
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader
 from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, memory_planner, runtime_of
-from trl_turbo.offload.memory_plan import LayerPlan, describe_plan, plan_layers
+from trl_turbo.offload.memory_plan import LayerPlan, describe_plan, plan_layers, plan_metrics
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
@@ -69,6 +69,14 @@ def test_predicted_peak_counts_what_the_layers_keep():
     table = describe_plan(dataclasses.replace(plan, spendable_bytes=0))
     assert "layers offloaded to host" in table and "predicted training peak            1.33 GiB" in table
     assert "predicted" not in describe_plan(plan)  # planned without a device budget: no budget rows
+
+
+def test_metrics_log_no_prediction_where_none_was_made():
+    planned = plan_layers(10, layer_bytes=100 * MIB, input_bytes=10 * MIB, available_bytes=365 * MIB,
+                          can_offload=True, allocated_bytes=1000 * MIB)
+    unplanned = LayerPlan(0, 0, 9, 0, 10 * MIB, -1, -1, 64)  # what a CPU forward records: no budget, no prediction
+    assert "memory_plan/predicted_peak_gib" not in plan_metrics([unplanned])
+    assert plan_metrics([unplanned, planned])["memory_plan/predicted_peak_gib"] == planned.predicted_peak_bytes / 2**30
 
 
 def test_saved_bytes_are_counted_once_per_storage_without_parameters():

@@ -372,15 +372,19 @@ class MemoryPlanner:
 
 
 def plan_metrics(plans: list[LayerPlan]) -> dict[str, float]:
-    """One micro-step's plans (one per forward) as metrics: mean layer counts, largest measurement and prediction."""
+    """One micro-step's plans (one per forward) as metrics: mean layer counts, largest measurement and prediction.
+    Plans made without a device budget (on CPU) predict no peak (-1): then no prediction is logged."""
     count = max(len(plans), 1)
-    return {
+    metrics = {
         "memory_plan/kept_layers": sum(p.kept_layers for p in plans) / count,
         "memory_plan/device_layers": sum(p.on_device for p in plans) / count,
         "memory_plan/offloaded_layers": sum(p.offloaded for p in plans) / count,
         "memory_plan/layer_activation_gib": max((p.layer_bytes for p in plans), default=0) / _GIB,
-        "memory_plan/predicted_peak_gib": max((p.predicted_peak_bytes for p in plans), default=0) / _GIB,
     }
+    predicted = [p.predicted_peak_bytes for p in plans if p.predicted_peak_bytes >= 0]
+    if predicted:
+        metrics["memory_plan/predicted_peak_gib"] = max(predicted) / _GIB
+    return metrics
 
 
 def describe_plan(plan: LayerPlan) -> str:

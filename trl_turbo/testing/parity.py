@@ -1,9 +1,10 @@
 """Parity harness: the same seeded GRPO computation with stock TRL and with trl_turbo.
 
 Design: two levels, both reused by later features with their switch on.
-- `run_training` runs real GRPOTrainer steps (generation, rewards, loss, optimizer) on a tiny model and records, per
-  optimizer step, the loss, every trainable parameter's gradient and value. Stock runs happen with trl_turbo
-  unpatched (`variant="stock"`), so the comparison is against TRL itself, not against our switches.
+- `run_training` runs real GRPOTrainer steps (generation, rewards, loss, optimizer) on a tiny model (or a real one
+  through `model_loader`) and records, per optimizer step, the loss, every trainable parameter's gradient and value
+  and the sampled completions. Stock runs happen with trl_turbo unpatched (`variant="stock"`), so the comparison is
+  against TRL itself, not against our switches.
 - `loss_and_grads` evaluates one trainer's `_compute_loss` on a hand-built batch with the fused loss on or off, which
   lets tests cover option grids (vLLM IS modes, reference log-probs, ...) that a CPU training run cannot reach.
 """
@@ -11,6 +12,7 @@ Design: two levels, both reused by later features with their switch on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -88,6 +90,7 @@ class StepRecord:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     logs: dict[str, float] = field(default_factory=dict)  # what the trainer logged for the step
+    completion_ids: list[list[int]] = field(default_factory=list)  # the completions the step trained on
 
 
 def build_trainer(
@@ -100,16 +103,21 @@ def build_trainer(
     config_cls: type | None = None,
     trainer_cls: type | None = None,
     quantization: dict[str, Any] | None = None,
+    model_loader: Callable[[], tuple[torch.nn.Module, Any]] | None = None,
 ):
     """A GRPOTrainer (or `trainer_cls`, configured by `config_cls`, e.g. TRL's GMPOTrainer) on a tiny `arch` model,
     the testbed tokenizer and the shipped arithmetic data. `quantization`: `BitsAndBytesConfig` arguments; the model
-    is then saved and reloaded quantized (QLoRA with `peft=True`)."""
+    is then saved and reloaded quantized (QLoRA with `peft=True`). `model_loader`: returns a model and its tokenizer
+    to train in place of the tiny model and the testbed tokenizer (e.g. `trl_turbo.tasks.smollm2.load`)."""
     from trl import GRPOConfig, GRPOTrainer
 
     config_cls = config_cls or GRPOConfig
     trainer_cls = trainer_cls or GRPOTrainer
 
-    model = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {}))
+    if model_loader is not None:
+        model, tokenizer = model_loader()
+    else:
+        model, tokenizer = tiny_model(arch, vocab_size=len(VOCAB), **(model_kwargs or {})), build_tokenizer()
     if quantization is not None:
         device = "cpu" if config_kwargs.get("use_cpu", False) else "cuda"
         model = _quantized(model, f"{config_kwargs['output_dir']}/tiny-{arch}-unquantized", quantization, device)
@@ -129,7 +137,7 @@ def build_trainer(
         reward_funcs=reward_funcs or [arithmetic.format_reward, arithmetic.correctness_reward],
         args=args,
         train_dataset=arithmetic.load_dataset("train").select(range(64)),
-        processing_class=build_tokenizer(),
+        processing_class=tokenizer,
         peft_config=peft_config,
     )
 
@@ -153,12 +161,15 @@ def run_training(
     model_kwargs: dict[str, Any] | None = None,
     quantization: dict[str, Any] | None = None,
     prepare_model: Callable[[torch.nn.Module], None] | None = None,
+    model_loader: Callable[[], tuple[torch.nn.Module, Any]] | None = None,
+    reward_funcs: list[Callable] | None = None,
 ) -> list[StepRecord]:
     """Seeded GRPO training steps; returns one record per optimizer step. `prepare_model` edits the seeded model's
-    weights (under no_grad) before training."""
+    weights (under no_grad) before training; `model_loader` and `reward_funcs` as in `build_trainer`."""
     from transformers import TrainerCallback
 
     records: list[StepRecord] = []
+    generations: list[list[list[int]]] = []
 
     class _Recorder(TrainerCallback):
         def __init__(self, model: torch.nn.Module) -> None:
@@ -185,13 +196,28 @@ def run_training(
     with patch_state(variant), tempfile.TemporaryDirectory() as tmp:
         config = base_config_kwargs(tmp, max_steps=steps, **(config_overrides or {}))
         torch.manual_seed(0)
-        trainer = build_trainer(config, arch=arch, peft=peft, model_kwargs=model_kwargs, quantization=quantization)
+        trainer = build_trainer(config, arch=arch, peft=peft, model_kwargs=model_kwargs, quantization=quantization,
+                                model_loader=model_loader, reward_funcs=reward_funcs)
         if prepare_model is not None:
             with torch.no_grad():
                 prepare_model(trainer.model)
+        trainer.reward_funcs[0] = _recording(trainer.reward_funcs[0], generations)
         trainer.add_callback(_Recorder(trainer.model))
         trainer.train()
+    for record, completion_ids in zip(records, generations):  # one generation per step in these configurations
+        record.completion_ids = completion_ids
     return records
+
+
+def _recording(reward_func: Callable, sink: list[list[list[int]]]) -> Callable:
+    """`reward_func`, appending the token ids of the completions it scores to `sink` (one entry per generation)."""
+
+    @functools.wraps(reward_func)
+    def reward(*args: Any, completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        sink.append([list(ids) for ids in completion_ids])
+        return reward_func(*args, completion_ids=completion_ids, **kwargs)
+
+    return reward
 
 
 def assert_records_close(

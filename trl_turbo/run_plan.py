@@ -2,9 +2,9 @@
 
 Design decision: every decision trl_turbo makes about a run is made once, here or in the pure feature function this
 module calls, and read everywhere else from the trainer's `RunPlan`. A run builds it in GRPOTrainer's constructor
-(`begin` before TRL's constructor: the settings and strategy, the checks of `trl_turbo.checks` having passed; the
-vLLM seam adds the engine plan once the policy model is loaded; `finish` adds the memory policy once the trainer's
-device is known). `trl-turbo plan` builds the same object (`forecast`) from the facts of a model counted on the meta
+(`begin` before TRL's constructor: the trainer-init checks of `trl_turbo.checks`, then the settings; the vLLM seam
+adds the engine plan once the policy model is loaded; `finish` adds the strategy and the memory policy once the
+trainer's device is known). `trl-turbo plan` builds the same object (`forecast`) from the facts of a model counted on the meta
 device, so a forecast and a run read the same decisions. Per-step switches (`turbo_fused_loss`,
 `turbo_reuse_policy_logps`, `turbo_forward_token_budget`, ...) are read through `config.Settings.of(trainer.args)`,
 so a field changed on `trainer.args` after construction takes effect at the next step, as in stock TRL; the engine
@@ -50,7 +50,7 @@ class RunPlan:
             "rollout_check": self.rollout_check.value,
             "memory": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(self.memory).items()},
             "engine": None if engine is None else {
-                "sharing": None if engine.sharing is None else engine.sharing.mode,
+                "sharing": None if engine.sharing is None else engine.sharing.mode.value,
                 "copy_reasons": None if engine.sharing is None else list(engine.sharing.reasons),
                 "sampling": None if engine.sampling is None else engine.sampling.value,
                 "parks_while_starting": engine.parks_while_starting, "fp8_parks_base": engine.fp8_parks_base,

@@ -4,8 +4,8 @@ Design decision: every decision trl_turbo makes about a run is made once, here o
 module calls, and read everywhere else from the trainer's `RunPlan`. A run builds it in GRPOTrainer's constructor
 (`begin` before TRL's constructor: the trainer-init checks of `trl_turbo.checks`, then the settings; the vLLM seam
 adds the engine plan once the policy model is loaded; `finish` adds the strategy and the memory policy once the
-trainer's device is known). `trl-turbo plan` builds the same object (`forecast`) from the facts of a model counted on the meta
-device, so a forecast and a run read the same decisions. Per-step switches (`turbo_fused_loss`,
+trainer's device is known). `trl-turbo plan` builds the same object (`forecast`) from the facts of a model
+counted on the meta device, so a forecast and a run read the same decisions. Per-step switches (`turbo_fused_loss`,
 `turbo_reuse_policy_logps`, `turbo_forward_token_budget`, ...) are read through `config.Settings.of(trainer.args)`,
 so a field changed on `trainer.args` after construction takes effect at the next step, as in stock TRL; the engine
 and memory decisions stay those made at construction.

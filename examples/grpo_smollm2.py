@@ -7,7 +7,8 @@ fetched and converted once, cached and offline after that); the problems are the
 difference below zero), so the correctness reward has room to rise. The reply is free-form ("The result of 48 + 26 is
 74."); its last integer is the answer. Completions are sampled at temperature 0.5: at 1.0 only ~2% of this model's
 replies are right, too few for GRPO's group advantages. 30 steps of 2 prompts x 8 completions (LoRA r=16, lr 5e-4,
-beta=0) raise held-out greedy accuracy from 29.5% to 56.5%. A progress bar and a compact table replace TRL's per-step
+beta=0) raised held-out greedy accuracy from 29.5% to 56.5% with the default seed (0); with `--seed 1` the replies
+drifted to the 16-token cap and accuracy stayed at 30.5%, so the recipe is not yet robust across seeds. A progress bar and a compact table replace TRL's per-step
 dictionaries (a callback of this script; TRL is not patched for it). ``--vllm`` runs the same on a GPU with a
 colocated vLLM engine that shares the base weights and releases its KV cache while training.
 
@@ -51,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--output-dir", default="out/grpo_smollm2")
     parser.add_argument("--vllm", action="store_true", help="GPU: generate with a colocated vLLM engine")
+    parser.add_argument("--seed", type=int, default=0, help="training seed (LoRA init and sampling); the problems stay")
     return parser.parse_args()
 
 
@@ -141,7 +143,7 @@ def main() -> None:
         logging_steps=5,
         report_to="none",
         save_strategy="no",
-        seed=0,
+        seed=args.seed,
         **vllm_args,
     )
     trainer = GRPOTrainer(

@@ -24,7 +24,6 @@ from ..vllm.kv_budget import (
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
-from ..vllm.sharing import SHARED
 from .model_spec import ModelSpec
 from .training import CONTEXT_BYTES, MicroBatch, TrainingForecast, forecast_training
 
@@ -136,7 +135,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
                    max_num_seqs: int) -> _EngineMemory:
     """The colocated engine's device memory: its weights beyond the trainer's, its KV cache (the automatic budget
     with shared weights or standby at TRL's default utilization, else TRL's share of the device), its workspace."""
-    shared = engine_plan is not None and engine_plan.sharing is not None and engine_plan.sharing.mode == SHARED
+    shared = engine_plan is not None and engine_plan.shares_weights
     fp8 = shared and engine_plan.sampling is SamplingMode.FP8
     step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
     workspace = VLLM_PROFILE_BYTES
@@ -190,7 +189,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     trainable = spec.lora_parameters or spec.parameters
     optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
     static = weights + adapter
-    shared = engine_plan is not None and engine_plan.sharing is not None and engine_plan.sharing.mode == SHARED
+    shared = engine_plan is not None and engine_plan.shares_weights
     standby = engine_plan is not None and engine_plan.standby
     error = None
     phases: list[Phase] = []

@@ -122,6 +122,11 @@ class EnginePlan:
     engine_kwargs: Mapping[str, Any] | None = None
 
     @property
+    def shares_weights(self) -> bool:
+        """The training model's base weights are vLLM's (not TRL's own engine, not a separate copy)."""
+        return self.sharing is not None and self.sharing.mode == SHARED
+
+    @property
     def kv_cache_bytes(self) -> int | None:
         """The automatic KV budget passed to vLLM (None: vLLM sizes its cache from TRL's memory utilization)."""
         return (self.engine_kwargs or {}).get("kv_cache_memory_bytes")

@@ -112,19 +112,43 @@ def test_shared_weights_are_refused_before_loading_where_weights_are_sharded(mon
     engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
     check_config(_args(world_size, turbo_vllm_standby=True, **engine))  # standby: every strategy
     shared = _args(world_size, turbo_vllm_shared_weights=True, turbo_vllm_standby=True, **engine)
-    if strategy in WHOLE:
+    if strategy in WHOLE or strategy is Strategy.FSDP2:
         check_config(shared)
     else:
-        with pytest.raises(ValueError, match=rf"{strategy.value}.*Train with DDP.*turbo_vllm_standby=True"):
+        with pytest.raises(ValueError, match=rf"{strategy.value}.*Train with DDP.*FSDP2.*turbo_vllm_standby=True"):
             check_config(shared)
 
 
-def test_engine_features_need_one_engine_per_process(monkeypatch):
+ENGINE = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
+
+
+@pytest.mark.parametrize("strategy", sorted(WHOLE - {Strategy.SINGLE}, key=str), ids=lambda s: s.name)
+def test_a_tensor_parallel_engine_shares_only_fsdp2_shards(monkeypatch, strategy):
+    """With whole weights per rank (DDP, ZeRO-1/2) a TP engine holds slices nothing could view: refused, naming
+    FSDP2; standby alone runs at any TP size."""
     as_if_vllm_installed(monkeypatch)
-    for switch in ("turbo_vllm_shared_weights", "turbo_vllm_standby"):
-        with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1"):
-            check_config(_args(2, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2,
-                                        **{switch: True}))
+    world_size = _launch(monkeypatch, strategy)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    check_config(_args(world_size, vllm_tensor_parallel_size=2, turbo_vllm_standby=True, **ENGINE))
+    with pytest.raises(ValueError, match=rf"vllm_tensor_parallel_size=2.*{strategy.value}.*fsdp2.yaml"):
+        check_config(_args(world_size, vllm_tensor_parallel_size=2, turbo_vllm_shared_weights=True, **ENGINE))
+
+
+def test_fsdp2_sharing_refusals_name_the_fix(monkeypatch):
+    as_if_vllm_installed(monkeypatch)
+    world_size = _launch(monkeypatch, Strategy.FSDP2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
+    shared = {"turbo_vllm_shared_weights": True, **ENGINE}
+    check_config(_args(world_size, vllm_tensor_parallel_size=world_size, **shared))
+    check_config(_args(world_size, vllm_tensor_parallel_size=1, **shared))  # shard groups of one: whole weights
+    with pytest.raises(ValueError, match="must divide the 2 processes per node.*Sizes that fit: \\[1, 2\\]"):
+        check_config(_args(world_size, vllm_tensor_parallel_size=4, **shared))
+    for mode in ("merged", "fp8"):
+        with pytest.raises(ValueError, match=f"turbo_vllm_sampling='{mode}'.*FSDP2.*'lora'"):
+            check_config(_args(world_size, vllm_tensor_parallel_size=2, turbo_vllm_sampling=mode, **shared))
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ValueError, match="fsdp_offload_params"):
+        check_config(_args(world_size, vllm_tensor_parallel_size=2, **shared))
 
 
 def test_features_every_strategy_supports_validate_everywhere(monkeypatch):

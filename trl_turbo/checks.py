@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from typing import Any
 
@@ -28,7 +29,7 @@ from .config import (
     check_loss_type_known,
     turbo_loss_settings,
 )
-from .distributed import CHECKPOINTING_FEATURES, unsupported_features
+from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, local_process_count, unsupported_features
 from .losses import TURBO_IS_MODES, validate_loss_options
 from .vllm.adapter import adapter_problems
 from .vllm.quantized import compute_dtype_warning, quantization_config_dict
@@ -198,17 +199,46 @@ def _check_vllm(args: Any, settings: Settings, installed: bool) -> None:
         raise ValueError(f"{' and '.join(memory_features)} keep vLLM's weights in place, which TRL's "
                          "`vllm_enable_sleep_mode=True` would drop; set `vllm_enable_sleep_mode=False` "
                          "(`turbo_vllm_standby=True` releases the KV cache instead).")
-    if memory_features and args.vllm_tensor_parallel_size != 1:
-        raise ValueError(f"{' and '.join(memory_features)} manage one whole engine per training process: set "
-                         f"`vllm_tensor_parallel_size=1` (got {args.vllm_tensor_parallel_size}).")
     if settings.vllm_shared_weights:
         reason = unsupported_features(args, ["turbo_vllm_shared_weights"]).get("turbo_vllm_shared_weights")
         if reason is not None:
             raise ValueError(f"`turbo_vllm_shared_weights=True` cannot work here: {reason}. Train with DDP "
-                             "(TRL's multi_gpu.yaml) or DeepSpeed ZeRO-1/2 to share weights, or set it to False "
-                             "(`turbo_vllm_standby=True` still releases the KV cache while training runs).")
+                             "(TRL's multi_gpu.yaml), DeepSpeed ZeRO-1/2 or FSDP2 (TRL's fsdp2.yaml) to share "
+                             "weights, or set it to False (`turbo_vllm_standby=True` still releases the KV cache "
+                             "while training runs).")
+        _check_sharded_sharing(args, settings)
     if installed:
         _check_installed_vllm(settings, wanted)
+
+
+def _check_sharded_sharing(args: Any, settings: Settings) -> None:
+    """Shared weights over several ranks: whole weights under DDP and ZeRO-1/2 (one engine per rank), the
+    tensor-parallel slices FSDP2 shards on under FSDP2 (its shard group is the TP group)."""
+    tp = args.vllm_tensor_parallel_size
+    fsdp2 = detect_strategy(args) is Strategy.FSDP2
+    if tp != 1 and not fsdp2:
+        raise ValueError(f"`turbo_vllm_shared_weights=True` with `vllm_tensor_parallel_size={tp}`: under "
+                         f"{detect_strategy(args).value} every rank trains on whole weights, which a tensor-parallel "
+                         "engine does not hold. Set `vllm_tensor_parallel_size=1`, or train with FSDP2 (TRL's "
+                         "fsdp2.yaml), whose shards are then vLLM's tensor-parallel slices.")
+    if not fsdp2:
+        return
+    world, per_node = getattr(args, "world_size", 1), local_process_count()
+    if world % tp or per_node % tp:
+        raise ValueError(f"`vllm_tensor_parallel_size={tp}` must divide the {per_node} processes per node (and the "
+                         f"world of {world}): with shared weights each tensor-parallel group is also an FSDP2 shard "
+                         f"group within one node. Sizes that fit: {[t for t in (1, 2, 4, 8) if per_node % t == 0]}.")
+    if settings.vllm_sampling in (SamplingMode.MERGED, SamplingMode.FP8):
+        raise ValueError(f"`turbo_vllm_sampling={settings.vllm_sampling.value!r}` is not available yet when FSDP2 "
+                         "shards the training model; use `turbo_vllm_sampling='lora'` (or 'auto', which picks it).")
+    if _truthy_env("FSDP_OFFLOAD_PARAMS"):
+        raise ValueError("`turbo_vllm_shared_weights=True` keeps FSDP2's shards in vLLM's device memory, which "
+                         "`fsdp_offload_params: true` would move to the host; set it to false in the accelerate "
+                         "config, or set `turbo_vllm_shared_weights=False`.")
+
+
+def _truthy_env(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _check_installed_vllm(settings: Settings, wanted: str) -> None:

@@ -50,9 +50,9 @@ FEATURE_STRATEGIES: dict[str, tuple[frozenset[Strategy], str]] = {
         "have released them",
     ),
     "turbo_vllm_shared_weights": (
-        WHOLE_PARAMETER_STRATEGIES,
-        "the training model's frozen weights become views of vLLM's whole weights, and ZeRO-3 and FSDP keep only a "
-        "shard of each weight per rank",
+        WHOLE_PARAMETER_STRATEGIES | {Strategy.FSDP2},
+        "the training model's frozen weights become views of vLLM's weights, whole or tensor-parallel slices; "
+        "ZeRO-3 and FSDP1 keep a flat shard of each weight per rank, which is neither",
     ),
 }
 

@@ -130,7 +130,9 @@ def plan_engine_for(config: Any, generation: Any) -> EnginePlan:
     settings = Settings.of(config)
     colocate = generation.mode == "colocate"
     facts = engine_facts(generation.model) if colocate and settings.vllm_shared_weights else None
-    plan = plan_engine(settings, facts, colocate=colocate)
+    fsdp2 = config is not None and detect_strategy(config) is Strategy.FSDP2
+    plan = plan_engine(settings, facts, colocate=colocate, tp_size=getattr(generation, "tensor_parallel_size", 1),
+                       fsdp2=fsdp2)
     warn_engine_plan(plan, settings)
     return plan
 

@@ -205,7 +205,7 @@ def test_every_permanent_patch_is_listed_and_on_a_host_library():
     assert patches, "import trl_turbo patches nothing?"
     for owner, name, value in patches:
         module = getattr(owner, "__module__", None) or getattr(owner, "__name__", "")
-        assert module.split(".")[0] in ("trl", "transformers", "peft", "vllm", "torch"), (owner, name)
+        assert module.split(".")[0] in ("trl", "transformers", "peft", "vllm", "torch", "accelerate"), (owner, name)
         assert getattr(owner, name) is value, (owner, name)
 
 

@@ -269,7 +269,7 @@ def test_engine_switches_need_colocated_vllm():
             _config(use_vllm=True, vllm_mode="server", **{switch: True})
     with pytest.raises(ValueError, match="vllm_enable_sleep_mode=False"):
         _config(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True, turbo_vllm_standby=True)
-    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1.*FSDP2"):
         _config(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2, turbo_vllm_shared_weights=True)
     with pytest.raises(ValueError, match="not one of"):
         _config(turbo_vllm_kv_cache_dtype="int4")

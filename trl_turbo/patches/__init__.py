@@ -28,6 +28,7 @@ def apply_all() -> bool:
             _warned = True
         return False
     from . import (
+        accelerate_fsdp2,
         transformers_checkpointing,
         trl_config,
         trl_step_metrics,
@@ -43,6 +44,7 @@ def apply_all() -> bool:
         transformers_checkpointing.apply()
         trl_step_metrics.apply()
         trl_vllm.apply()
+        accelerate_fsdp2.apply()
     except BaseException:
         registry.restore_all()
         raise

@@ -45,7 +45,7 @@ def _wrap_init_vllm(original):
         plan = run_plan.plan_engine_for(config, self)
         parked = vllm_engine.ParkedWeights(self.model) if plan.parks_while_starting else None
         try:  # one copy on the device even while vLLM starts
-            kwargs = engine_kwargs(self, config, plan.sharing, plan.sampling)
+            kwargs = engine_kwargs(self, config, plan.sharing, plan.sampling, plan.sharded)
             plan = dataclasses.replace(plan, engine_kwargs=dict(kwargs))
             record = progress is not None and self.mode == "colocate"
             if record:

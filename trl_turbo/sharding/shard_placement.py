@@ -61,6 +61,7 @@ class ParamPlan:
     detail: str
     nbytes: int
     vllm_copy_bytes: int
+    layouts: tuple[TPLayout, ...] = ()  # rank r's vLLM slice at index r (empty for adapter tensors)
 
 
 @dataclass(frozen=True)
@@ -156,10 +157,10 @@ def plan_placements(params: Mapping[str, ParamSpec], facts: ModelFacts, tp_size:
         itemsize = (engine_dtype or spec.dtype).itemsize
         if obstacle is None:
             plans.append(ParamPlan(name, first.hf_name, first.vllm_name, "shared", first.fsdp_dim, None, "",
-                                   nbytes, 0))
+                                   nbytes, 0, tuple(layouts)))
         else:
             plans.append(ParamPlan(name, first.hf_name, first.vllm_name, "own_copy", 0, obstacle, detail, nbytes,
-                                   _vllm_copy_bytes(layouts, spec, itemsize)))
+                                   _vllm_copy_bytes(layouts, spec, itemsize), tuple(layouts)))
     return PlacementPlan(tp_size, tuple(plans))
 
 
@@ -197,6 +198,7 @@ class ShardPlacementFn:
 
     def __init__(self, model: nn.Module, plan: PlacementPlan) -> None:
         self._model = model
+        self.plan = plan
         self._dims = plan.shard_dims()
         self._names: dict[int, tuple[weakref.ref, str]] = {}
         self.unplanned: list[str] = []

@@ -44,11 +44,17 @@ def lora_engine_kwargs(peft_config: Any) -> dict[str, Any]:
 
 
 def adapter_tensors(peft_model: Any, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter's tensors under PEFT's checkpoint names, detached copies."""
+    """The adapter's tensors under PEFT's checkpoint names, detached copies; FSDP2's shards are gathered whole
+    (collective: every rank calls it, in the same order)."""
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-    return {name: tensor.detach().clone() for name, tensor in state.items()}
+    return {name: _whole(tensor).detach().clone() for name, tensor in state.items()}
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor (FSDP2's shard)
+    return full_tensor() if callable(full_tensor) else tensor
 
 
 def adapter_config_dict(peft_config: Any) -> dict[str, Any]:

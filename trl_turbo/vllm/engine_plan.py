@@ -22,7 +22,7 @@ import torch
 from .. import versions
 from ..config import KVCacheDtype, SamplingMode, Settings
 from ..device_memory import device_budget
-from ..distributed import local_process_count
+from ..distributed import Strategy, detect_strategy, local_process_count
 from ..host_memory import available_host_bytes
 from .adapter import lora_engine_kwargs
 from .dequantized import copy_bytes, dequantized_shape
@@ -120,6 +120,10 @@ class EnginePlan:
     kv_cache_dtype: KVCacheDtype
     # what the run passed to vLLM's `LLM` (trl_turbo's arguments; a forecast has none)
     engine_kwargs: Mapping[str, Any] | None = None
+    tp_size: int = 1  # vLLM's tensor-parallel size
+    # FSDP2 shards the training model: the shared weights are each rank's tensor-parallel slices, adopted when FSDP2
+    # wraps the model (`trl_turbo.vllm.sharded`)
+    sharded: bool = False
 
     @property
     def shares_weights(self) -> bool:
@@ -162,23 +166,35 @@ def fp8_parking(facts: EngineFacts) -> tuple[bool, str | None]:
     return problem is None, problem
 
 
-def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool = True) -> EnginePlan:
-    """The plan of an engine for a run with `settings` (`facts`: needed with shared weights)."""
+def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool = True, tp_size: int = 1,
+                fsdp2: bool = False) -> EnginePlan:
+    """The plan of an engine for a run with `settings` (`facts`: needed with shared weights); `tp_size`: vLLM's
+    tensor-parallel size; `fsdp2`: FSDP2 shards the training model."""
     sharing = sampling = None
     problems: list[str] = []
+    sharded = colocate and settings.vllm_shared_weights and fsdp2
     if colocate and settings.vllm_shared_weights:
         if facts is None:
             raise ValueError("the engine plan of shared weights needs the policy model's facts")
         sharing = sharing_for(facts.quantization, facts.model_type, facts.layout_problems,
                               installed=facts.installed_vllm)
+        if sharded and sharing.mode != SHARED:
+            raise ValueError(f"`turbo_vllm_shared_weights=True` under FSDP2 shares tensor-parallel slices of 16-bit "
+                             f"weights only, and this model cannot share them: {'; '.join(sharing.reasons)}. Set "
+                             "`turbo_vllm_shared_weights=False` (TRL's weight sync), or train with DDP.")
         sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts)
+        if sharded and sampling is SamplingMode.MERGED:
+            sampling, problems = SamplingMode.LORA, [*problems, "FSDP2 shards the training model (merged sampling "
+                                                     "per tensor-parallel shard is not available yet)"]
     fp8 = sampling is SamplingMode.FP8
     parks, park_problem = fp8_parking(facts) if fp8 else (False, None)
     return EnginePlan(
         sharing=sharing, sampling=sampling, sampling_problems=tuple(problems),
-        parks_while_starting=sharing is not None and (sharing.mode == SHARED or fp8),
+        # under FSDP2 the model waits on the host until training starts: nothing to park
+        parks_while_starting=sharing is not None and (sharing.mode == SHARED or fp8) and not sharded,
         fp8_parks_base=parks, fp8_park_problem=park_problem,
         standby=colocate and settings.vllm_standby, kv_cache_dtype=settings.vllm_kv_cache_dtype,
+        tp_size=tp_size, sharded=sharded,
     )
 
 
@@ -201,7 +217,7 @@ def warn_fp8_parking(problem: str | None) -> None:
 
 
 def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
-                  sampling: str | None = None) -> dict[str, Any]:
+                  sampling: str | None = None, sharded: bool = False) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     dtype = vllm_dtype(generation, config)
     if dtype is not None:
@@ -240,8 +256,9 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
     if settings.vllm_standby:
         kwargs["enable_sleep_mode"] = True  # vLLM's tagged CuMem pools: the KV cache can be unmapped alone
         if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
+            fsdp = detect_strategy(config) in (Strategy.FSDP1, Strategy.FSDP2)
             kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing, settings.vllm_kv_cache_dtype,
-                                                         sampling)
+                                                         sampling, sharded, fsdp)
     return kwargs
 
 
@@ -260,10 +277,22 @@ def _trl_default(config: Any, name: str) -> Any:
     return type(config).__dataclass_fields__[name].default
 
 
-def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None) -> int:
+def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None,
+              sharded: bool = False, fsdp: bool = False) -> int:
+    """vLLM's KV cache budget for this engine (`sharded`: FSDP2's frozen shards will be vLLM's slices; `fsdp`: the
+    training model is sharded by FSDP and still on the host)."""
     model = generation.model
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    weight_bytes = _vllm_weight_bytes(model, sharing, sampling)
+    tp = max(1, int(getattr(generation, "tensor_parallel_size", 1) or 1))
+    if tp > 1 or fsdp:
+        # vLLM holds 1/T of the weights; under FSDP the model reaches the device only when training starts, as
+        # 1/world of its trainable state and of its frozen weights (none of those: they become vLLM's slices)
+        world = max(1, int(getattr(generation.accelerator, "num_processes", 1)))
+        frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        weight_bytes = weight_bytes // tp + (0 if not fsdp or sharded else frozen // world)
+        trainable = -(-trainable // world) if fsdp else trainable
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_token = kv_bytes_per_token(
@@ -279,7 +308,7 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
         per_token_bytes=per_token,
     )
     return auto_kv_cache_bytes(
-        free_bytes=free, total_bytes=total, vllm_weight_bytes=_vllm_weight_bytes(model, sharing, sampling),
+        free_bytes=free, total_bytes=total, vllm_weight_bytes=weight_bytes,
         trainable_params=trainable,
         sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, text.vocab_size, text.hidden_size),
         useful_bytes=useful,

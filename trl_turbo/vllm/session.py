@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 
+from .. import registry
 from ..config import SamplingMode
 from . import engine as vllm_engine
 from .engine_plan import EnginePlan, EngineState, engine_facts, fp8_parking, warn_fp8_parking
 from .fp8 import Fp8Sampling
 from .merge import MergedSampling
+from .sharded import PENDING_ATTRIBUTE, ShardedShare
 from .sharing import SHARED
 
 _GIB = 2**30
@@ -43,7 +45,9 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
         release_with_kv = [tensor.rows for tensor in fp8.values()]
     elif sharing is not None:
-        if sharing.mode == SHARED:
+        if plan.sharded:  # FSDP2 has not sharded the model yet: the share waits on it (`sharded.ShardedShare`)
+            registry.replace_attr(model, PENDING_ATTRIBUTE, ShardedShare.of_engine(llm, plan.tp_size, state), weak=True)
+        elif sharing.mode == SHARED:
             state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device)
         else:
             state.copy_bytes = vllm_engine.copy_base_weights(llm, model)

@@ -1,0 +1,65 @@
+"""The engine plan when FSDP2 shards the training model and vLLM runs tensor-parallel (pure; the sharing itself is
+tests/sharding/test_adopt.py on CPU and tests/integration/test_multi_gpu.py on 2 GPUs)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from trl_turbo.config import Settings
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.vllm import engine_plan
+from trl_turbo.vllm.sharing import Sharing
+
+
+def _lora_model(**shape):
+    model = tiny_model("llama", vocab_size=128, dtype=torch.bfloat16, **shape)
+    return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+
+
+def _settings(**fields):
+    return Settings.of(types.SimpleNamespace(turbo_vllm_shared_weights=True, turbo_vllm_standby=True, **fields))
+
+
+def test_fsdp2_engine_samples_through_lora_and_waits_for_the_shards():
+    model = _lora_model()
+    facts = engine_plan.engine_facts(model)
+    whole = engine_plan.plan_engine(_settings(), facts)
+    assert whole.sampling == "merged" and whole.parks_while_starting and not whole.sharded
+    sharded = engine_plan.plan_engine(_settings(), facts, tp_size=2, fsdp2=True)
+    assert sharded.sharded and sharded.tp_size == 2 and sharded.shares_weights
+    assert sharded.sampling == "lora" and any("FSDP2" in p for p in sharded.sampling_problems)
+    assert not sharded.parks_while_starting  # the model waits on the host until FSDP2 wraps it
+
+
+def test_fsdp2_refuses_a_model_that_would_need_a_separate_copy():
+    facts = engine_plan.engine_facts(_lora_model())
+    facts = types.SimpleNamespace(**{**facts.__dict__, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="under FSDP2 shares tensor-parallel slices.*gpt2"):
+        engine_plan.plan_engine(_settings(), facts, tp_size=2, fsdp2=True)
+
+
+def test_kv_budget_counts_a_tensor_parallel_slice_and_fsdp_shards(monkeypatch):
+    counted = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(engine_plan, "auto_kv_cache_bytes", lambda **kw: counted.append(kw) or 0)
+    model = _lora_model()
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def budget(tp, processes, **flags):
+        generation = types.SimpleNamespace(
+            mode="colocate", model=model, tensor_parallel_size=tp, max_num_seqs=8, max_model_length=512,
+            max_completion_length=64, accelerator=types.SimpleNamespace(
+                mixed_precision="bf16", device=torch.device("cpu"), num_processes=processes))
+        engine_plan.kv_budget(generation, Sharing(), "auto", "lora", **flags)
+        return counted[-1]["vllm_weight_bytes"], counted[-1]["trainable_params"]
+
+    assert budget(1, 1) == (frozen, trainable)  # one GPU: the engine's weights are the model's, parked meanwhile
+    # FSDP2 + TP=2 over 2 ranks: vLLM's half of the weights, which FSDP2's frozen shards become; half the adapter
+    assert budget(2, 2, sharded=True, fsdp=True) == (frozen // 2, -(-trainable // 2))
+    # standby alone under FSDP: vLLM's half, and FSDP2's own quarter of the frozen weights over 4 ranks
+    assert budget(2, 4, fsdp=True) == (frozen // 2 + frozen // 4, -(-trainable // 4))

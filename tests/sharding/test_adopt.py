@@ -1,0 +1,172 @@
+"""Two CPU processes (gloo): accelerate's own `fsdp2_prepare_model`, patched by trl_turbo, shards a tiny PEFT Llama on
+the tensor-parallel dimensions of a waiting engine and makes each rank's frozen shards views of that engine's slices.
+
+The engine stands in for vLLM's TP rank: a tensor per vLLM parameter (packed q|k|v and gate|up, row-parallel o/down,
+vocabulary blocks, whole norms), filled by a loader that narrows whole tensors by hand-written rules (vLLM's own
+loader is used on the GPU). Checked per rank: every shared projection's FSDP2 storage is the engine's memory, the
+sharded model's logits equal the unsharded model's, a write into the engine is what FSDP2's next forward computes
+with, LoRA trains while the engine's base bytes stay bitwise the same, and a rank whose engine slice differs makes
+every rank refuse (no hang, nothing adopted).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
+
+SCRIPT = textwrap.dedent(
+    """
+    import copy, json, sys, warnings
+    from types import SimpleNamespace
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from peft import LoraConfig, get_peft_model
+
+    import trl_turbo
+    import accelerate.accelerator
+    from trl_turbo import registry
+    from trl_turbo.sharding.shard_placement import model_facts
+    from trl_turbo.sharding.tp_layout import tp_layout
+    from trl_turbo.sharding.adopt import fsdp_params
+    from trl_turbo.testing.models import tiny_model
+    from trl_turbo.testing.multi_gpu import end_process_group
+    from trl_turbo.vllm.sharded import PENDING_ATTRIBUTE, ShardedShare
+    from trl_turbo.vllm.weight_views import LayoutMismatch
+
+    dist.init_process_group("gloo")
+    rank, T = dist.get_rank(), dist.get_world_size()
+
+
+    class Engine:
+        # vLLM's TP rank `rank`: one tensor per vLLM parameter, NaN until loaded
+        def __init__(self, facts, shapes, corrupt=None):
+            self.tp_rank, self.facts, self.corrupt, self.tensors = rank, facts, corrupt, {}
+            for name, shape in shapes.items():
+                layout = tp_layout(name, shape, facts, T, rank)
+                size = list(shape)
+                if layout.slice is not None and layout.slice.dim is not None:
+                    size[layout.slice.dim] = layout.slice.local_size
+                self.tensors.setdefault(layout.vllm_name, torch.full(size, float("nan")))
+
+        def load(self, hf_name, full):
+            layout = tp_layout(hf_name, full.shape, self.facts, T, rank)
+            s, target = layout.slice, self.tensors[layout.vllm_name]
+            if s.dim is None:
+                target.copy_(full)
+                return
+            piece = full.narrow(s.dim, s.start, s.length)
+            if hf_name == self.corrupt:
+                piece = piece + 1
+            target.narrow(s.dim, s.offset, s.length).copy_(piece)
+
+        def slice_of(self, layout):
+            s = layout.slice
+            tensor = self.tensors[layout.vllm_name]
+            return tensor if s.dim is None else tensor.narrow(s.dim, s.offset, s.length)
+
+
+    def build():
+        torch.manual_seed(0)
+        base = tiny_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, layers=2)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                init_lora_weights=False))
+        return model
+
+
+    def prepare(model, engine):
+        state = SimpleNamespace(shared_bytes=0, copy_bytes=0)
+        share = ShardedShare(lambda: engine, torch.float32, T, state)
+        registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False)
+        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                      mixed_precision="no", device=torch.device("cpu"), is_main_process=rank == 0)
+        return accelerate.accelerator.fsdp2_prepare_model(accelerator, model), share, state
+
+
+    report = {}
+    model = build()
+    reference = copy.deepcopy(model)
+    facts = model_facts(model)
+    shapes = {n.removeprefix("base_model.model.").replace(".base_layer", ""): tuple(p.shape)
+              for n, p in model.named_parameters() if "lora_" not in n}
+    engine = Engine(facts, shapes)
+    model, share, state = prepare(model, engine)
+
+    storages = {t.untyped_storage().data_ptr() for t in engine.tensors.values()}
+    adopted = [name for name, fp in ((n, fsdp_params(model).get(id(p))) for n, p in model.named_parameters())
+               if fp is not None and fp._sharded_param_data.untyped_storage().data_ptr() in storages]
+    report["adopted"] = len(adopted)
+    report["shared"] = len(share.result.shared)
+    report["own_copies"] = sorted(share.result.own_copies)
+    report["shared_bytes"] = state.shared_bytes
+    report["engine_nan"] = any(t.isnan().any().item() for t in engine.tensors.values())
+
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    # the engine writes (as a merge would): FSDP2's next forward computes with it
+    qkv = engine.tensors["model.layers.0.self_attn.qkv_proj.weight"]
+    with torch.no_grad():
+        qkv.mul_(2)
+        reference.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.mul_(2)
+        reference.base_model.model.model.layers[0].self_attn.k_proj.weight.mul_(2)
+        reference.base_model.model.model.layers[0].self_attn.v_proj.base_layer.weight.mul_(2)
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+    before = {name: t.clone() for name, t in engine.tensors.items()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    lora_before = {n: p.to_local().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    for _ in range(2):
+        model(input_ids=ids).logits.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report["lora_moved"] = all(not torch.equal(p.to_local(), lora_before[n])
+                               for n, p in model.named_parameters() if "lora_B" in n)
+    report["base_unchanged"] = all(torch.equal(t, before[name]) for name, t in engine.tensors.items())
+
+    # one rank's engine slice differs: every rank refuses, none adopts
+    model = build()
+    engine = Engine(facts, shapes, corrupt="model.layers.1.mlp.up_proj.weight" if rank == 1 else None)
+    try:
+        prepare(model, engine)
+        report["refused"] = None
+    except LayoutMismatch as error:
+        report["refused"] = str(error)
+    report["adopted_after_refusal"] = sum(
+        fp._sharded_param_data.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr()
+                                                                for t in engine.tensors.values()}
+        for fp in fsdp_params(model).values())
+    with open(sys.argv[1] + f".{rank}", "w") as handle:
+        json.dump(report, handle)
+    end_process_group()
+    """
+)
+
+
+def test_fsdp2_shards_become_the_engine_slices(tmp_path):
+    script = tmp_path / "adopt.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "report.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               str(out)]
+    result = run_launch(command, cwd=tmp_path, timeout=600, env=fresh_rendezvous_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    reports = [json.loads((tmp_path / f"report.json.{rank}").read_text()) for rank in range(2)]
+    for report in reports:
+        # 2 layers x 7 projections + embeddings + LM head shared (vocabulary 128 splits evenly); norms are whole
+        assert report["adopted"] == report["shared"] == 16
+        assert report["own_copies"] == sorted([f"model.layers.{i}.{n}.weight" for i in range(2)
+                                               for n in ("input_layernorm", "post_attention_layernorm")]
+                                              + ["model.norm.weight"])
+        assert report["shared_bytes"] > 0 and not report["engine_nan"]
+        assert report["lora_moved"] and report["base_unchanged"]
+        assert report["adopted_after_refusal"] == 0
+    assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
+    assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]

@@ -1,0 +1,145 @@
+"""Make FSDP2's shards of the frozen weights live in an inference engine's tensor-parallel tensors: one copy per GPU.
+
+Design: the engine's own loader decides what each rank holds, never a re-implementation of it. After `fully_shard`
+(with `shard_placement.ShardPlacementFn`) every base parameter is gathered whole once, one at a time, and handed to
+the engine's loader (`ShardEngine.load`), which narrows it to its rank's slice as it would a checkpoint's tensor;
+the engine then holds every weight, those that keep a copy of their own included. For each weight the plan shares,
+the engine's slice (`ShardEngine.slice_of`) must then equal this rank's FSDP2 shard bit for bit; only when that holds
+on every rank of the world (one all-reduce, so no rank adopts while another refuses) does FSDP2 take the engine's
+slice as the shard's storage: a DTensor over that view replaces the parameter and FSDP2's own
+`FSDPParam.reset_sharded_param()` re-reads it (what it does after `load_state_dict(assign=True)`), keeping the view
+when it already has the padded shard size. The freed shard goes back to the allocator. This reads FSDP2 internals
+(`_get_fsdp_state`, `FSDPParam`), checked with the torch versions trl_turbo supports, and refuses when they are
+missing. The startup gather costs what one stock weight sync costs, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..vllm.weight_views import LayoutMismatch, hf_weight_name
+from .shard_placement import PlacementPlan, is_adapter_param
+from .tp_layout import TPLayout
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_PEFT_COPIES = ("original_module", "modules_to_save")
+
+
+class ShardEngine(Protocol):
+    """An inference engine's tensor-parallel rank, as `share_shards` uses it."""
+
+    tp_rank: int
+
+    def load(self, hf_name: str, full: torch.Tensor) -> None:
+        """Take the whole HF tensor `full` into the engine (narrowed to this rank by the engine's own loader)."""
+
+    def slice_of(self, layout: TPLayout) -> torch.Tensor:
+        """The engine's tensor region that holds this rank's slice of `layout.hf_name` (a view)."""
+
+
+@dataclass
+class ShardedSharing:
+    """What `share_shards` did on this rank."""
+
+    shared_bytes: int = 0  # engine memory that is now also FSDP2's shard (held once)
+    shared: list[str] = field(default_factory=list)
+    own_copies: dict[str, int] = field(default_factory=dict)  # name -> bytes of the engine's own copy on this rank
+
+
+def base_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The model's parameters the engine holds, under their plain HF names: LoRA factors and PEFT's saved-module
+    copies left out, tied weights once (TRL's `_iter_fsdp2_params` walks the same)."""
+    for name, param in model.named_parameters():
+        if is_adapter_param(name) or any(copy in name for copy in _PEFT_COPIES):
+            continue
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        yield hf_weight_name(name), param
+
+
+def fsdp_params(model: nn.Module) -> dict[int, Any]:
+    """`id(sharded parameter)` -> its `FSDPParam`, over every module `fully_shard` was applied to."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+            found[id(fsdp_param.sharded_param)] = fsdp_param
+    return found
+
+
+def adopt_storage(fsdp_param: Any, view: torch.Tensor) -> bool:
+    """Make `view` (this rank's shard, of the padded shard size) the storage of `fsdp_param`'s sharded parameter;
+    True when FSDP2 kept it (False: FSDP2 copied it into storage of its own)."""
+    from torch.distributed.tensor import DTensor
+
+    info = fsdp_param._module_info
+    old = getattr(info.module, info.param_name)
+    local = DTensor.from_local(view.detach(), old.device_mesh, old.placements, run_check=False,
+                               shape=old.shape, stride=old.stride())
+    setattr(info.module, info.param_name, nn.Parameter(local, requires_grad=old.requires_grad))
+    fsdp_param.reset_sharded_param()
+    return fsdp_param._sharded_param_data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+
+
+def _all_ranks_agree(failures: int, device: torch.device) -> int:
+    """The number of failures summed over the world (every rank then takes the same branch)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return failures
+    total = torch.tensor([failures], device=device)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine) -> ShardedSharing:
+    """Load every base weight of the FSDP2-sharded `model` into `engine`, then make FSDP2's shards of the weights
+    `plan` shares views of the engine's slices (checked equal on every rank first). Collective: every rank of the
+    world calls it with its own engine rank. Raises LayoutMismatch on every rank when any rank's slices differ."""
+    from torch.distributed.tensor import DTensor
+
+    planned = {p.hf_name: p for p in plan.params}
+    by_param = fsdp_params(model)
+    result = ShardedSharing()
+    adoptions: list[tuple[str, Any, torch.Tensor]] = []
+    mismatches: list[str] = []
+    device = torch.device("cpu")
+    for hf_name, param in base_parameters(model):
+        if not isinstance(param, DTensor):
+            raise LayoutMismatch(f"{hf_name} is not sharded by FSDP2 (a {type(param).__name__}); the engine's "
+                                 "shards can only be shared with a model `fully_shard` has wrapped")
+        device = param.to_local().device
+        engine.load(hf_name, param.full_tensor())  # collective: every rank gathers the same parameter in turn
+        entry = planned.get(hf_name)
+        local = param.to_local()
+        if entry is None or entry.kind != "shared":
+            result.own_copies[hf_name] = entry.vllm_copy_bytes if entry is not None else 0
+            continue
+        view = engine.slice_of(entry.layouts[engine.tp_rank])
+        fsdp_param = by_param.get(id(param))
+        if fsdp_param is None or view.shape != local.shape or view.dtype != local.dtype:
+            mismatches.append(f"{hf_name}: FSDP2's shard {tuple(local.shape)} {local.dtype}, engine slice "
+                              f"{tuple(view.shape)} {view.dtype}" + ("" if fsdp_param else " (no FSDPParam)"))
+        elif not torch.equal(view, local):
+            mismatches.append(f"{hf_name}: the engine's slice differs from FSDP2's shard on tensor-parallel rank "
+                              f"{engine.tp_rank}")
+        else:
+            adoptions.append((hf_name, fsdp_param, view))
+    if _all_ranks_agree(len(mismatches), device):
+        raise LayoutMismatch("trl_turbo: the engine's tensor-parallel slices do not line up with FSDP2's shards, "
+                             f"so nothing is shared: {'; '.join(mismatches[:4]) or 'on another rank'}")
+    for hf_name, fsdp_param, view in adoptions:
+        if adopt_storage(fsdp_param, view):
+            result.shared.append(hf_name)
+            result.shared_bytes += view.numel() * view.element_size()
+        else:
+            result.own_copies[hf_name] = view.numel() * view.element_size()
+    return result

@@ -1,0 +1,141 @@
+"""Shared weights when FSDP2 shards the training model and vLLM runs tensor-parallel: each rank's frozen shards are
+its engine's TP slices.
+
+Design: the engine is built first (TRL builds vLLM in the trainer's constructor, FSDP2 wraps the model only when
+training starts), with dummy weights and nothing shared: under FSDP2 the model waits on the host (or, with
+`cpu_ram_efficient_loading`, exists only on rank 0), so there is nothing to view yet. The engine leaves a
+`ShardedShare` on the policy model; accelerate's FSDP2 preparation (`patches.accelerate_fsdp2`) finds it there and
+has `fully_shard` place each projection on vLLM's dimension over a mesh whose shard groups are the TP groups
+(`placing`), then fills the engine from the sharded model and adopts its slices (`complete`,
+`trl_turbo.sharding.adopt`). Until then the engine holds no weights worth sampling from; TRL samples only once
+training has started.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..sharding.adopt import ShardedSharing, ShardEngine, share_shards
+from ..sharding.mesh_shape import device_mesh, hsdp_mesh
+from ..sharding.shard_placement import ShardPlacementFn, plan_model
+from ..sharding.tp_layout import TPLayout
+from . import engine as vllm_engine
+from .weight_views import LayoutMismatch, vllm_weight_name
+
+PENDING_ATTRIBUTE = "_trl_turbo_sharded_share"  # on the policy model, from engine start until FSDP2 wraps it
+
+
+class VllmShardEngine:
+    """This process's vLLM tensor-parallel rank as `share_shards` uses it: vLLM's own `load_weights` narrows each
+    whole tensor to the rank's slice, and `slice_of` reads the region `tp_layout` names."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.llm = llm
+        self.tp_rank = get_tensor_model_parallel_rank()
+        model = vllm_engine.driver_model(llm)
+        self.params = {vllm_weight_name(name): param for name, param in model.named_parameters(remove_duplicate=False)}
+
+    def load(self, hf_name: str, full: torch.Tensor) -> None:
+        vllm_engine.load_weights(self.llm, [(hf_name, full)])
+
+    def slice_of(self, layout: TPLayout) -> torch.Tensor:
+        tensor, slice_ = self.params.get(layout.vllm_name), layout.slice
+        if tensor is None or slice_ is None:
+            raise LayoutMismatch(f"{layout.hf_name}: vLLM has no parameter {layout.vllm_name}")
+        tensor = tensor.detach()
+        if slice_.dim is None:
+            return tensor
+        if tensor.shape[slice_.dim] != slice_.local_size:
+            raise LayoutMismatch(f"{layout.hf_name}: vLLM's {layout.vllm_name} on TP rank {self.tp_rank} has "
+                                 f"{tensor.shape[slice_.dim]} along dim {slice_.dim}, the layout expects "
+                                 f"{slice_.local_size}")
+        return tensor.narrow(slice_.dim, slice_.offset, slice_.length)
+
+
+class ShardedShare:
+    """The share an engine waits to make until FSDP2 has sharded the policy model."""
+
+    def __init__(self, engine: Callable[[], ShardEngine], engine_dtype: torch.dtype, tp_size: int,
+                 state: Any) -> None:
+        self.engine, self.engine_dtype, self.tp_size, self.state = engine, engine_dtype, tp_size, state
+        self.placement: ShardPlacementFn | None = None
+        self.result: ShardedSharing | None = None
+
+    @classmethod
+    def of_engine(cls, llm: Any, tp_size: int, state: Any) -> ShardedShare:
+        return cls(lambda: VllmShardEngine(llm), vllm_engine.engine_dtype(llm), tp_size, state)
+
+    def placement_for(self, model: torch.nn.Module) -> ShardPlacementFn:
+        """The placement of `model` as `fully_shard` first sees it (after accelerate's fp32 upcast of trainable
+        parameters), planned once."""
+        if self.placement is None:
+            self.placement = ShardPlacementFn(model, plan_model(model, self.tp_size, engine_dtype=self.engine_dtype))
+        return self.placement
+
+    def mesh(self, device_type: str) -> Any:
+        """The mesh whose shard groups are the TP groups: None (FSDP2's default, the whole world) when the world
+        is one TP group, else a (replicate, shard) HSDP mesh."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if world == self.tp_size:
+            return None
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return device_mesh(hsdp_mesh(world // per_node, per_node, self.tp_size), device_type)
+
+    def placing(self, fully_shard: Any, model: torch.nn.Module, device_type: str) -> Any:
+        """`fully_shard` with this share's placement and mesh (a mesh accelerate passes must already shard over
+        exactly the TP group)."""
+        mesh = self.mesh(device_type)
+
+        @functools.wraps(fully_shard)
+        def fully_shard_on_vllm_dims(module: Any, *args: Any, **kwargs: Any) -> Any:
+            given = kwargs.get("mesh")
+            if given is not None and given.size(given.ndim - 1) != self.tp_size:
+                raise ValueError(f"trl_turbo: accelerate's FSDP2 mesh shards over {given.size(given.ndim - 1)} "
+                                 f"ranks, but shared weights need the shard group to be vLLM's tensor-parallel "
+                                 f"group of {self.tp_size}; remove the parallelism config or make its dp_shard_size "
+                                 f"{self.tp_size}.")
+            if given is None and mesh is not None:
+                kwargs["mesh"] = mesh
+            kwargs.setdefault("shard_placement_fn", self.placement_for(model))
+            return fully_shard(module, *args, **kwargs)
+
+        return fully_shard_on_vllm_dims
+
+    def complete(self, model: torch.nn.Module) -> ShardedSharing:
+        """Fill the engine from the sharded model and adopt its slices as FSDP2's shards (collective)."""
+        if self.placement is None:
+            raise RuntimeError("trl_turbo: FSDP2 wrapped the policy model without trl_turbo's shard placement")
+        result = share_shards(model, self.placement.plan, self.engine())
+        self.result = result
+        self.state.shared_bytes = result.shared_bytes
+        self.state.copy_bytes = sum(result.own_copies.values())
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        _warn_own_copies(result)
+        return result
+
+
+def _warn_own_copies(result: ShardedSharing) -> None:
+    copies = {name: size for name, size in result.own_copies.items() if size >= 2**20}
+    if not copies or int(os.environ.get("RANK", 0)) != 0:
+        return
+    named = ", ".join(f"{name} ({size / 2**20:.0f} MiB)" for name, size in sorted(copies.items(), key=lambda i: -i[1]))
+    warnings.warn(f"trl_turbo: {len(copies)} weights keep a copy of their own in vLLM next to FSDP2's shard "
+                  f"({sum(copies.values()) / 2**30:.2f} GiB per GPU): {named}. Their tensor-parallel layout is not "
+                  "FSDP2's (a padded vocabulary, KV heads fewer than the TP size, a dimension it does not divide).",
+                  RuntimeWarning, stacklevel=2)
+
+
+def pending_share(model: Any) -> ShardedShare | None:
+    """The share an engine left on `model` (PEFT-wrapped or not) for FSDP2's preparation, if any."""
+    return getattr(model, PENDING_ATTRIBUTE, None)

@@ -235,6 +235,7 @@ def cumem_pools() -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------------- worker
 _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "vllm/weight_sync_s",
+           "vllm/shared_weights_gib", "vllm/separate_copy_gib",
            "vllm/generation_s", "vllm/kv_released_gib", "vllm/kv_restored_gib", "memory/device_peak_gib/max",
            "vllm/generation_used_gib", "sampling/sampling_logp_difference/mean",
            "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/p95", "vllm/merge_s",
@@ -276,6 +277,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         gradient_checkpointing=True, report_to="none", save_strategy="no",
         model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized: its config says how
         use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
+        vllm_tensor_parallel_size=spec.get("vllm_tp", 1),
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
         **spec["variant_config"][variant],
     )
@@ -459,6 +461,8 @@ def run(args: argparse.Namespace) -> Path:
     launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
     if args.gpu_gib is not None and launches != [SINGLE_GPU]:
         raise SystemExit("--gpu-gib caps a one-GPU run; leave --launches at 1gpu")
+    if args.vllm_tp > 1 and (SINGLE_GPU in launches or args.processes % args.vllm_tp):
+        raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {args.processes}, without a 1gpu launch")
     if args.gpu_gib is not None and args.gpu_gib <= 0:
         raise SystemExit(f"--gpu-gib must be a positive number of GiB, got {args.gpu_gib}")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -479,7 +483,7 @@ def run(args: argparse.Namespace) -> Path:
     free, total = torch.cuda.mem_get_info(device)  # this driver's CUDA context and any other process: not a child's
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
-              "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib,
+              "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib, "vllm_tp": args.vllm_tp,
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
               "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
@@ -490,7 +494,8 @@ def run(args: argparse.Namespace) -> Path:
                                 "generation_kwargs": {"ignore_eos": True},
                                 "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
     meta = metadata("e2e", device, config)
-    several = "" if launches == [SINGLE_GPU] else f"-{args.processes}gpu"
+    several = ("" if launches == [SINGLE_GPU] else f"-{args.processes}gpu") + (
+        f"-tp{args.vllm_tp}" if args.vllm_tp > 1 else "")
     preset = "" if args.preset == "anchor" else f"-{args.preset}"
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
     stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -640,6 +645,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--launches", default=SINGLE_GPU,
                         help=f"comma-separated: {SINGLE_GPU} and/or TRL accelerate configs (multi_gpu, zero2, …)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of each launch other than 1gpu")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size (every variant)")
     parser.add_argument("--gpu-gib", type=float, default=None,
                         help="cap each variant's process at this much device memory (a smaller GPU): torch's "
                              "per-process fraction, less the CUDA context the driver holds; one GPU only")

@@ -118,6 +118,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["llama-3.3-70b"] = {**SHAPES["llama-3.1-8b"], "hidden_size": 8192, "intermediate_size": 28672,
                            "num_hidden_layers": 80, "num_attention_heads": 64}
 
+# Qwen2.5-32B: the largest shape that FSDP2 + tensor-parallel vLLM trains on two GPUs
+SHAPES["qwen2.5-32b"] = {**SHAPES["qwen2.5-1.5b"], "hidden_size": 5120, "intermediate_size": 27648,
+                         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+                         "vocab_size": 152064, "tie_word_embeddings": False}
+
 # (hidden, vocab) pairs of the LM-head loss benchmark; `issue3` covers an untied 8B head and a tied 1.5B head.
 LOSS_PRESETS: dict[str, list[tuple[int, int]]] = {
     "issue3": [(4096, 128256), (1536, 151936)],

@@ -118,7 +118,6 @@ class ShardedShare:
         result = share_shards(model, self.placement.plan, self.engine())
         self.result = result
         self.state.shared_bytes = result.shared_bytes
-        self.state.copy_bytes = sum(result.own_copies.values())
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _warn_own_copies(result)

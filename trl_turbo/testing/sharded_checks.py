@@ -1,0 +1,87 @@
+"""Checks of shared weights under FSDP2 with a tensor-parallel vLLM engine inside a real GRPOTrainer (2 GPUs), run
+as ``accelerate launch --config_file <TRL's fsdp2.yaml> -m trl_turbo.testing.sharded_checks <dir>``; each rank
+prints one ``RESULT {json}`` line for the test to assert on.
+
+Per rank, after training: how many of FSDP2's frozen shards live in vLLM's memory, whether each equals the
+checkpoint's slice that vLLM's layout gives this rank (bitwise, so the base never moved), the sampler's log-prob gap
+to the live (sharded) policy with and without its adapter, and the adapter sync times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
+    """Which FSDP2 shards are vLLM's memory, and whether every shared one still equals its checkpoint slice."""
+    from safetensors.torch import load_file
+
+    from trl_turbo.sharding.adopt import base_parameters, fsdp_params
+    from trl_turbo.vllm.engine import driver_model
+    from trl_turbo.vllm.sharded import pending_share
+
+    share = pending_share(trainer.model)
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
+             for p in driver_model(trainer.vllm_generation.llm).parameters()]
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    planned = {p.hf_name: p for p in share.placement.plan.params}
+    by_param = fsdp_params(trainer.model)
+    inside, differing, shared_names = 0, [], set(share.result.shared)
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    tp_rank = get_tensor_model_parallel_rank()
+    for hf_name, param in base_parameters(trainer.model):
+        data = by_param[id(param)]._sharded_param_data
+        inside += any(start <= data.data_ptr() < stop for start, stop in spans)
+        if hf_name in shared_names:
+            slice_ = planned[hf_name].layouts[tp_rank].slice
+            expected = saved[hf_name].narrow(slice_.dim, slice_.start, slice_.length)
+            if not torch.equal(param.to_local().cpu().view(torch.uint8), expected.view(torch.uint8)):
+                differing.append(hf_name)
+    return {"shards_in_vllm": inside, "shared": len(shared_names), "own_copies": sorted(share.result.own_copies),
+            "shared_gib": share.result.shared_bytes / 2**30, "differing_from_checkpoint": differing}
+
+
+def run(workdir: Path, steps: int = 3) -> dict[str, Any]:
+    from transformers import TrainerCallback
+
+    from trl_turbo.testing.vllm_checks import build_trainer, eager_engines, logprob_gaps, randomize_adapter
+
+    with warnings.catch_warnings(record=True) as caught, eager_engines():
+        warnings.simplefilter("always")
+        trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2)
+    randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
+    used: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            free, total = torch.cuda.mem_get_info()
+            used.append((total - free) / 2**30)
+
+    trainer.add_callback(Record())
+    trainer.train()
+    logs = trainer.state.log_history
+    result = {
+        "own_copy_warnings": sum("keep a copy of their own" in str(w.message) for w in caught),
+        **shard_report(trainer, workdir),
+        "gaps_after": logprob_gaps(trainer),  # collective: every rank runs the same forwards
+        "weight_sync_s": [log["vllm/weight_sync_s"] for log in logs if "vllm/weight_sync_s" in log],
+        "shared_weights_gib": [log["vllm/shared_weights_gib"] for log in logs if "vllm/shared_weights_gib" in log],
+        "losses": [log["loss"] for log in logs if "loss" in log],
+        "used_gib": used,
+    }
+    return result
+
+
+if __name__ == "__main__":
+    rank = int(os.environ.get("RANK", 0))
+    result = {"rank": rank, **run(Path(sys.argv[1]) / f"rank{rank}")}
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # skip interpreter teardown of the in-process engine

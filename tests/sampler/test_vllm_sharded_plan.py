@@ -63,3 +63,27 @@ def test_kv_budget_counts_a_tensor_parallel_slice_and_fsdp_shards(monkeypatch):
     assert budget(2, 2, sharded=True, fsdp=True) == (frozen // 2, -(-trainable // 2))
     # standby alone under FSDP: vLLM's half, and FSDP2's own quarter of the frozen weights over 4 ranks
     assert budget(2, 4, fsdp=True) == (frozen // 2 + frozen // 4, -(-trainable // 4))
+
+
+def test_kv_budget_sizes_a_rank_cache_for_the_sequences_it_is_handed(monkeypatch):
+    """Per rank: its KV heads (half of them at T=2), for the sequences of one generation (a rank's share of TRL's
+    global generation batch, times the T ranks whose prompts TRL gathers), not vLLM's 256-sequence default."""
+    counted = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(engine_plan, "auto_kv_cache_bytes", lambda **kw: counted.append(kw) or 0)
+    model = _lora_model(num_key_value_heads=2, num_attention_heads=4)
+
+    def useful(tp, processes, batch):
+        generation = types.SimpleNamespace(
+            mode="colocate", model=model, tensor_parallel_size=tp, max_num_seqs=None, max_model_length=512,
+            max_completion_length=64, accelerator=types.SimpleNamespace(
+                mixed_precision="bf16", device=torch.device("cpu"), num_processes=processes))
+        sequences = engine_plan.sequences_per_generation(generation, types.SimpleNamespace(generation_batch_size=batch))
+        engine_plan.kv_budget(generation, Sharing(), "auto", "lora", sequences=sequences)
+        return sequences, counted[-1]["useful_bytes"]
+
+    one_gpu = useful(1, 1, 64)
+    assert one_gpu[0] == 64
+    assert useful(2, 2, 128) == (128, one_gpu[1])  # twice the sequences, half the heads each
+    assert useful(1, 2, 128) == one_gpu  # DDP: a rank's own 64
+    assert useful(1, 1, 1024)[0] == 1024 and useful(1, 1, 1024)[1] == useful(1, 1, 256)[1]  # vLLM schedules 256

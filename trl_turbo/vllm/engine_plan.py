@@ -258,8 +258,20 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
         if config.vllm_gpu_memory_utilization == _trl_default(config, "vllm_gpu_memory_utilization"):
             fsdp = detect_strategy(config) in (Strategy.FSDP1, Strategy.FSDP2)
             kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing, settings.vllm_kv_cache_dtype,
-                                                         sampling, sharded, fsdp)
+                                                         sampling, sharded, fsdp,
+                                                         sequences_per_generation(generation, config))
     return kwargs
+
+
+def sequences_per_generation(generation: Any, config: Any) -> int | None:
+    """The sequences one generation hands the engine: a rank's share of TRL's `generation_batch_size` (global),
+    times the ranks of its tensor-parallel group, whose prompts TRL gathers (None: not known)."""
+    batch = getattr(config, "generation_batch_size", None)
+    if not isinstance(batch, int) or batch < 1:
+        return None
+    world = max(1, int(getattr(generation.accelerator, "num_processes", 1)))
+    tp = max(1, int(getattr(generation, "tensor_parallel_size", 1) or 1))
+    return max(1, batch * tp // world)
 
 
 def _compute_dtype(model: Any) -> torch.dtype:
@@ -278,9 +290,9 @@ def _trl_default(config: Any, name: str) -> Any:
 
 
 def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None,
-              sharded: bool = False, fsdp: bool = False) -> int:
+              sharded: bool = False, fsdp: bool = False, sequences: int | None = None) -> int:
     """vLLM's KV cache budget for this engine (`sharded`: FSDP2's frozen shards will be vLLM's slices; `fsdp`: the
-    training model is sharded by FSDP and still on the host)."""
+    training model is sharded by FSDP and still on the host; `sequences`: the most a generation submits to it)."""
     model = generation.model
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -295,11 +307,12 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
         trainable = -(-trainable // world) if fsdp else trainable
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = kv_bytes_per_token(
-        layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        layers=text.num_hidden_layers, kv_heads=max(1, kv_heads // tp),  # a rank's heads (replicated below T)
         head_dim=head_dim, dtype_bytes=1 if KVCacheDtype(kv_cache_dtype).is_fp8 else 2,
     )
-    max_num_seqs = generation.max_num_seqs or 256
+    max_num_seqs = min(generation.max_num_seqs or 256, sequences or 256)
     useful = useful_kv_cache_bytes(
         max_num_seqs=max_num_seqs,
         seq_len=expected_seq_len(max_model_length=generation.max_model_length,

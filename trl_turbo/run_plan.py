@@ -22,6 +22,7 @@ from .checks import check_trainer, liger_unavailable
 from .config import RolloutCheckMode, Settings
 from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
 from .offload.policy import MemoryPolicy, plan_memory
+from .sharding.shard_placement import unshared_adapted_weights
 from .vllm.engine_plan import (
     EngineFacts,
     EnginePlan,
@@ -131,8 +132,9 @@ def plan_engine_for(config: Any, generation: Any) -> EnginePlan:
     colocate = generation.mode == "colocate"
     facts = engine_facts(generation.model) if colocate and settings.vllm_shared_weights else None
     fsdp2 = config is not None and detect_strategy(config) is Strategy.FSDP2
-    plan = plan_engine(settings, facts, colocate=colocate, tp_size=getattr(generation, "tensor_parallel_size", 1),
-                       fsdp2=fsdp2)
+    tp_size = getattr(generation, "tensor_parallel_size", 1)
+    unshared = unshared_adapted_weights(generation.model, tp_size) if fsdp2 and facts is not None else []
+    plan = plan_engine(settings, facts, colocate=colocate, tp_size=tp_size, fsdp2=fsdp2, unshared_adapted=unshared)
     warn_engine_plan(plan, settings)
     return plan
 

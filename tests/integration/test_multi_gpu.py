@@ -97,20 +97,24 @@ def test_every_rank_shares_weights_with_its_own_engine(tmp_path, strategy):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path):
+@pytest.mark.parametrize("sampling", ["merged", "lora"])
+def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path, sampling):
     """TRL's fsdp2.yaml, `vllm_tensor_parallel_size=2`, shared weights + standby: on each rank FSDP2's shard of every
-    projection lives in its vLLM TP rank's memory and still equals the checkpoint's slice after 3 steps; vLLM samples
-    from the live adapter (log-prob gap to the sharded policy with its adapter, far from the one without)."""
+    projection lives in its vLLM TP rank's memory and still equals the checkpoint's slice after 3 steps (with
+    "merged", after 3 merges into the shards and bit-exact restores); vLLM samples from the live adapter (log-prob
+    gap to the sharded policy with its adapter, far from the one without)."""
     import trl
 
     config = Path(trl.__file__).parent / "accelerate_configs" / "fsdp2.yaml"
     process = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                              "--num_processes", "2", "-m", "trl_turbo.testing.sharded_checks", str(tmp_path)],
+                              "--num_processes", "2", "-m", "trl_turbo.testing.sharded_checks", str(tmp_path),
+                              sampling],
                              capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=fresh_rendezvous_env())
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in process.stdout.splitlines() if "RESULT " in line]
     assert process.returncode == 0 and len(results) == 2, process.stdout[-3000:] + process.stderr[-6000:]
     print(results)
     for result in results:
+        assert result["sampling"] == sampling
         # 2 layers x 7 projections share; the norms and the vocabulary-padded embeddings and head keep own copies
         assert result["shared"] == 2 * 7 and result["shards_in_vllm"] == result["shared"]
         assert result["differing_from_checkpoint"] == []

@@ -24,15 +24,22 @@ def _settings(**fields):
     return Settings.of(types.SimpleNamespace(turbo_vllm_shared_weights=True, turbo_vllm_standby=True, **fields))
 
 
-def test_fsdp2_engine_samples_through_lora_and_waits_for_the_shards():
-    model = _lora_model()
+def test_fsdp2_engine_merges_into_the_shards_where_every_adapted_one_is_vllm_memory():
+    from trl_turbo.sharding.shard_placement import unshared_adapted_weights
+
+    model = _lora_model(num_attention_heads=4, num_key_value_heads=2)
     facts = engine_plan.engine_facts(model)
     whole = engine_plan.plan_engine(_settings(), facts)
     assert whole.sampling == "merged" and whole.parks_while_starting and not whole.sharded
+    assert unshared_adapted_weights(model, 2) == []
     sharded = engine_plan.plan_engine(_settings(), facts, tp_size=2, fsdp2=True)
-    assert sharded.sharded and sharded.tp_size == 2 and sharded.shares_weights
-    assert sharded.sampling == "lora" and any("FSDP2" in p for p in sharded.sampling_problems)
+    assert sharded.sharded and sharded.tp_size == 2 and sharded.shares_weights and sharded.sampling == "merged"
     assert not sharded.parks_while_starting  # the model waits on the host until FSDP2 wraps it
+    # T=4 > 2 KV heads: vLLM replicates k/v, whose FSDP2 shards then keep a copy of their own: no merge into them
+    unshared = unshared_adapted_weights(model, 4)
+    assert unshared and all(".k_proj." in name or ".v_proj." in name for name in unshared)
+    replicated = engine_plan.plan_engine(_settings(), facts, tp_size=4, fsdp2=True, unshared_adapted=unshared)
+    assert replicated.sampling == "lora" and "copy of their own" in replicated.sampling_problems[-1]
 
 
 def test_fsdp2_refuses_a_model_that_would_need_a_separate_copy():

@@ -79,9 +79,9 @@ SCRIPT = textwrap.dedent(
         return model
 
 
-    def prepare(model, engine):
-        state = SimpleNamespace(shared_bytes=0, copy_bytes=0)
-        share = ShardedShare(lambda: engine, torch.float32, T, state)
+    def prepare(model, engine, merged=False):
+        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None)
+        share = ShardedShare(lambda: engine, torch.float32, T, state, merged=merged)
         registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
@@ -131,6 +131,23 @@ SCRIPT = textwrap.dedent(
                                for n, p in model.named_parameters() if "lora_B" in n)
     report["base_unchanged"] = all(torch.equal(t, before[name]) for name, t in engine.tensors.items())
 
+    # merged sampling per shard: the adapter lands in the engine's slices, and comes back out bit-exactly
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = Engine(facts, shapes)
+    model, share, state = prepare(model, engine, merged=True)
+    before = {name: t.clone() for name, t in engine.tensors.items()}
+    state.merged.merge()  # (a forward of the training model now would restore first: its guard hook)
+    report["merge_changed"] = sorted(name for name, t in engine.tensors.items() if not torch.equal(t, before[name]))
+    merged_reference = reference.merge_and_unload().model.layers[1]
+    q_rows = slice(rank * 32, (rank + 1) * 32)  # 2 of the 4 heads of 16 per rank
+    torch.testing.assert_close(engine.tensors["model.layers.1.self_attn.qkv_proj.weight"][:32],
+                               merged_reference.self_attn.q_proj.weight[q_rows])  # column-parallel: B's rows
+    torch.testing.assert_close(engine.tensors["model.layers.1.mlp.down_proj.weight"],
+                               merged_reference.mlp.down_proj.weight[:, rank * 64:(rank + 1) * 64])  # A's columns
+    state.merged.restore()
+    report["restored_bitwise"] = all(torch.equal(t, before[name]) for name, t in engine.tensors.items())
+
     # one rank's engine slice differs: every rank refuses, none adopts
     model = build()
     engine = Engine(facts, shapes, corrupt="model.layers.1.mlp.up_proj.weight" if rank == 1 else None)
@@ -168,5 +185,8 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
         assert report["shared_bytes"] > 0 and not report["engine_nan"]
         assert report["lora_moved"] and report["base_unchanged"]
         assert report["adopted_after_refusal"] == 0
+        assert report["merge_changed"] == sorted(f"model.layers.{i}.{n}" for i in range(2)
+                                                 for n in ("self_attn.qkv_proj.weight", "mlp.down_proj.weight"))
+        assert report["restored_bitwise"]
     assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
     assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]

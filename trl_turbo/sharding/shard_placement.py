@@ -234,6 +234,18 @@ def shard_placement_fn(model: nn.Module, tp_size: int, *, engine_dtype: torch.dt
                                               packed_modules=packed_modules))
 
 
+def unshared_adapted_weights(model: nn.Module, tp_size: int) -> list[str]:
+    """The LoRA-adapted base weights of a PEFT `model` whose FSDP2 shard over `tp_size` ranks cannot be vLLM's
+    slice (a merge into the shard would not reach the sampler); empty for a model vLLM refuses at `tp_size`."""
+    adapted = {name.rpartition(".lora_A.")[0] for name, _ in model.named_parameters() if ".lora_A." in name}
+    try:
+        plan = plan_model(model, tp_size)
+    except ValueError:
+        return []
+    return sorted(p.hf_name for p in plan.of_kind("own_copy")
+                  if any(p.name.startswith(f"{module}.base_layer.") for module in adapted))
+
+
 def fully_shard_takes_placement_fn() -> bool:
     """Whether this torch's `fully_shard` has `shard_placement_fn` (torch >= 2.6)."""
     try:

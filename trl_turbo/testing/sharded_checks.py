@@ -1,6 +1,6 @@
 """Checks of shared weights under FSDP2 with a tensor-parallel vLLM engine inside a real GRPOTrainer (2 GPUs), run
-as ``accelerate launch --config_file <TRL's fsdp2.yaml> -m trl_turbo.testing.sharded_checks <dir>``; each rank
-prints one ``RESULT {json}`` line for the test to assert on.
+as ``accelerate launch --config_file <TRL's fsdp2.yaml> -m trl_turbo.testing.sharded_checks <dir> [sampling]``;
+each rank prints one ``RESULT {json}`` line for the test to assert on.
 
 Per rank, after training: how many of FSDP2's frozen shards live in vLLM's memory, whether each equals the
 checkpoint's slice that vLLM's layout gives this rank (bitwise, so the base never moved), the sampler's log-prob gap
@@ -49,14 +49,16 @@ def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
             "shared_gib": share.result.shared_bytes / 2**30, "differing_from_checkpoint": differing}
 
 
-def run(workdir: Path, steps: int = 3) -> dict[str, Any]:
+def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     from trl_turbo.testing.vllm_checks import build_trainer, eager_engines, logprob_gaps, randomize_adapter
+    from trl_turbo.vllm.engine_plan import engine_state
 
     with warnings.catch_warnings(record=True) as caught, eager_engines():
         warnings.simplefilter("always")
-        trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2)
+        trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2,
+                                turbo_vllm_sampling=sampling)
     randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
     used: list[float] = []
 
@@ -68,7 +70,9 @@ def run(workdir: Path, steps: int = 3) -> dict[str, Any]:
     trainer.add_callback(Record())
     trainer.train()
     logs = trainer.state.log_history
+    state = engine_state(trainer.vllm_generation)
     result = {
+        "sampling": "merged" if state.merged is not None else "lora" if state.adapters is not None else None,
         "own_copy_warnings": sum("keep a copy of their own" in str(w.message) for w in caught),
         **shard_report(trainer, workdir),
         "gaps_after": logprob_gaps(trainer),  # collective: every rank runs the same forwards
@@ -82,6 +86,6 @@ def run(workdir: Path, steps: int = 3) -> dict[str, Any]:
 
 if __name__ == "__main__":
     rank = int(os.environ.get("RANK", 0))
-    result = {"rank": rank, **run(Path(sys.argv[1]) / f"rank{rank}")}
+    result = {"rank": rank, **run(Path(sys.argv[1]) / f"rank{rank}", sys.argv[2] if len(sys.argv) > 2 else "auto")}
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip interpreter teardown of the in-process engine

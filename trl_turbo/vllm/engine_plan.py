@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,9 +167,10 @@ def fp8_parking(facts: EngineFacts) -> tuple[bool, str | None]:
 
 
 def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool = True, tp_size: int = 1,
-                fsdp2: bool = False) -> EnginePlan:
+                fsdp2: bool = False, unshared_adapted: Sequence[str] = ()) -> EnginePlan:
     """The plan of an engine for a run with `settings` (`facts`: needed with shared weights); `tp_size`: vLLM's
-    tensor-parallel size; `fsdp2`: FSDP2 shards the training model."""
+    tensor-parallel size; `fsdp2`: FSDP2 shards the training model; `unshared_adapted`: the adapted weights whose
+    FSDP2 shard cannot be vLLM's slice (merging into them would not reach the sampler)."""
     sharing = sampling = None
     problems: list[str] = []
     sharded = colocate and settings.vllm_shared_weights and fsdp2
@@ -183,9 +184,10 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
                              f"weights only, and this model cannot share them: {'; '.join(sharing.reasons)}. Set "
                              "`turbo_vllm_shared_weights=False` (TRL's weight sync), or train with DDP.")
         sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts)
-        if sharded and sampling is SamplingMode.MERGED:
-            sampling, problems = SamplingMode.LORA, [*problems, "FSDP2 shards the training model (merged sampling "
-                                                     "per tensor-parallel shard is not available yet)"]
+        if sharded and sampling is SamplingMode.MERGED and unshared_adapted:
+            sampling, problems = SamplingMode.LORA, [*problems, f"{len(unshared_adapted)} adapted weights keep a "
+                                                     f"copy of their own in vLLM (e.g. {unshared_adapted[0]}), which "
+                                                     "a merge into FSDP2's shards would not reach"]
     fp8 = sampling is SamplingMode.FP8
     parks, park_problem = fp8_parking(facts) if fp8 else (False, None)
     return EnginePlan(

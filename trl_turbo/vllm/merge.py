@@ -46,12 +46,39 @@ class LoraTarget:
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.layer.get_base_layer().weight
+        """The base weight this rank holds: the whole matrix, or FSDP2's shard (a slice of vLLM's TP tensor)."""
+        return _local(self.layer.get_base_layer().weight)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(B [out, r], A [r, in], scaling)."""
+        """(B [out, r], A [r, in], scaling), cut to this rank's shard of the base weight: under FSDP2 the small
+        factors are gathered whole (collective: every rank merges the same layers in turn), then a column-parallel
+        shard (rows of W) takes B's rows and a row-parallel one (columns of W) A's columns."""
         layer = self.layer
-        return layer.lora_B[self.adapter].weight, layer.lora_A[self.adapter].weight, float(layer.scaling[self.adapter])
+        b, a = layer.lora_B[self.adapter].weight, layer.lora_A[self.adapter].weight
+        scaling = float(layer.scaling[self.adapter])
+        base = layer.get_base_layer().weight
+        placements = getattr(base, "placements", None)
+        if placements is None:
+            return b, a, scaling
+        b, a = _whole(b), _whole(a)
+        dim = placements[-1].dim
+        shards = base.device_mesh.size(base.device_mesh.ndim - 1)
+        index = base.device_mesh.get_local_rank(base.device_mesh.ndim - 1)
+        size = base.shape[dim]
+        chunk = -(-size // shards)
+        start, stop = min(index * chunk, size), min((index + 1) * chunk, size)
+        return (b[start:stop], a, scaling) if dim == 0 else (b, a[:, start:stop], scaling)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: writes land in it), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
 
 
 def lora_targets(peft_model: Any, adapter: str) -> list[LoraTarget]:
@@ -97,6 +124,7 @@ def merge_problems(peft_model: Any, adapter: str) -> list[str]:
 
 
 def _address(tensor: torch.Tensor) -> tuple[int, int]:
+    tensor = _local(tensor)
     if tensor.is_meta:  # no storage to compare (a forecast's model): tied modules hold the same parameter object
         return id(tensor), 0
     return tensor.untyped_storage().data_ptr(), tensor.storage_offset() * tensor.element_size()

@@ -46,13 +46,15 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         release_with_kv = [tensor.rows for tensor in fp8.values()]
     elif sharing is not None:
         if plan.sharded:  # FSDP2 has not sharded the model yet: the share waits on it (`sharded.ShardedShare`)
-            registry.replace_attr(model, PENDING_ATTRIBUTE, ShardedShare.of_engine(llm, plan.tp_size, state), weak=True)
+            share = ShardedShare.of_engine(llm, plan.tp_size, state, merged=sampling is SamplingMode.MERGED)
+            registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         elif sharing.mode == SHARED:
             state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device)
         else:
             state.copy_bytes = vllm_engine.copy_base_weights(llm, model)
         if sampling is SamplingMode.MERGED:
-            state.merged = MergedSampling(model, model.active_adapter)
+            if not plan.sharded:  # sharded: set up on FSDP2's shards once they are vLLM's (`ShardedShare.complete`)
+                state.merged = MergedSampling(model, model.active_adapter)
         else:
             state.adapters = vllm_engine.TensorAdapters(llm)
     if plan.standby:

@@ -26,7 +26,8 @@ from ..sharding.mesh_shape import device_mesh, hsdp_mesh
 from ..sharding.shard_placement import ShardPlacementFn, plan_model
 from ..sharding.tp_layout import TPLayout
 from . import engine as vllm_engine
-from .weight_views import LayoutMismatch, vllm_weight_name
+from .merge import MergedSampling
+from .weight_views import LayoutMismatch, hf_weight_name, vllm_weight_name
 
 PENDING_ATTRIBUTE = "_trl_turbo_sharded_share"  # on the policy model, from engine start until FSDP2 wraps it
 
@@ -64,14 +65,15 @@ class ShardedShare:
     """The share an engine waits to make until FSDP2 has sharded the policy model."""
 
     def __init__(self, engine: Callable[[], ShardEngine], engine_dtype: torch.dtype, tp_size: int,
-                 state: Any) -> None:
+                 state: Any, *, merged: bool = False) -> None:
         self.engine, self.engine_dtype, self.tp_size, self.state = engine, engine_dtype, tp_size, state
+        self.merged = merged  # merged sampling: set up on the shards once they are the engine's
         self.placement: ShardPlacementFn | None = None
         self.result: ShardedSharing | None = None
 
     @classmethod
-    def of_engine(cls, llm: Any, tp_size: int, state: Any) -> ShardedShare:
-        return cls(lambda: VllmShardEngine(llm), vllm_engine.engine_dtype(llm), tp_size, state)
+    def of_engine(cls, llm: Any, tp_size: int, state: Any, *, merged: bool = False) -> ShardedShare:
+        return cls(lambda: VllmShardEngine(llm), vllm_engine.engine_dtype(llm), tp_size, state, merged=merged)
 
     def placement_for(self, model: torch.nn.Module) -> ShardPlacementFn:
         """The placement of `model` as `fully_shard` first sees it (after accelerate's fp32 upcast of trainable
@@ -118,10 +120,24 @@ class ShardedShare:
         result = share_shards(model, self.placement.plan, self.engine())
         self.result = result
         self.state.shared_bytes = result.shared_bytes
+        if self.merged:
+            self.state.merged = merged_on_shards(model, result)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _warn_own_copies(result)
         return result
+
+
+def merged_on_shards(model: torch.nn.Module, result: ShardedSharing) -> MergedSampling:
+    """Merged sampling over FSDP2's shards, every adapted one of which must be the engine's slice."""
+    sampling = MergedSampling(model, model.active_adapter)
+    adapted = {hf_weight_name(f"{target.name}.base_layer.weight") for target in sampling.targets}
+    unshared = sorted(adapted - set(result.shared))
+    if unshared:
+        sampling.close()
+        raise LayoutMismatch(f"trl_turbo: merged sampling writes the adapter into FSDP2's shards, but {unshared[:3]} "
+                             "are not vLLM's memory; set `turbo_vllm_sampling='lora'`.")
+    return sampling
 
 
 def _warn_own_copies(result: ShardedSharing) -> None:

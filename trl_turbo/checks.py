@@ -269,10 +269,6 @@ def _check_installed_vllm(settings: Settings, wanted: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- trainer init
-SHARING_NEEDS_AN_ADAPTER = (
-    "`turbo_vllm_shared_weights=True` shares the frozen base weights of a LoRA run; full fine-tuning changes every "
-    "weight each step. Pass a `peft_config=LoraConfig(...)` to GRPOTrainer (`use_peft: true` for `trl grpo`), or set "
-    "`turbo_vllm_shared_weights=False`.")
 
 
 def check_trainer(trainer_cls: type, config: Any, model: Any, peft_config: Any,
@@ -328,7 +324,8 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
     if adapter is None and hasattr(model, "peft_config"):
         adapter = model.peft_config.get(getattr(model, "active_adapter", "default"))
     if adapter is None:
-        raise ValueError(SHARING_NEEDS_AN_ADAPTER)
+        _check_full_finetuning(config, settings, model, quantization_config)
+        return
     problems = adapter_problems(adapter)
     if problems:
         raise ValueError(f"`turbo_vllm_shared_weights=True` hands the adapter to vLLM, which cannot take this one: "
@@ -346,6 +343,21 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
         warning = compute_dtype_warning(quantization)
         if warning:
             warnings.warn(warning, RuntimeWarning, stacklevel=5)
+
+
+def _check_full_finetuning(config: Any, settings: Settings, model: Any, quantization_config: Any) -> None:
+    """Shared weights without an adapter: vLLM samples the trained parameters themselves, which needs a 16-bit
+    model of a family whose layout trl_turbo maps, and no adapter sampling mode."""
+    if settings.vllm_sampling is not SamplingMode.AUTO:
+        raise ValueError(f"`turbo_vllm_sampling={settings.vllm_sampling.value!r}` chooses how a LoRA adapter reaches "
+                         "vLLM; this run fine-tunes every weight (no `peft_config`), which vLLM samples directly. "
+                         "Leave `turbo_vllm_sampling='auto'`, or pass a `peft_config`.")
+    quantization = policy_quantization(model, config, quantization_config)
+    reasons = copy_reasons(quantization, policy_model_type(model, config))
+    if quantization is not None or reasons:
+        raise ValueError("`turbo_vllm_shared_weights=True` with full fine-tuning makes the trained parameters vLLM's "
+                         f"weights, which needs a 16-bit model of a mapped family: {'; '.join(reasons) or 'quantized'}."
+                         " Set `turbo_vllm_shared_weights=False` (TRL's weight sync), or train a LoRA adapter.")
 
 
 def fp8_problems(copy_reasons: list[str], adapter: Any, capability: tuple[int, int] | None) -> list[str]:

@@ -162,7 +162,7 @@ def _engine_config(**overrides):
 
 def _engine_kwargs(model, mixed_precision="no"):
     generation = _generation(model, mixed_precision)
-    return engine_plan.engine_kwargs(generation, _engine_config(), sharing_mode(model))
+    return engine_plan.engine_kwargs(generation, _engine_config(), sharing_mode(model), "lora")  # a copy: LoRA
 
 
 @needs_bnb

@@ -67,9 +67,10 @@ def test_kv_budget_counts_a_tensor_parallel_slice_and_fsdp_shards(monkeypatch):
 
     assert budget(1, 1) == (frozen, trainable)  # one GPU: the engine's weights are the model's, parked meanwhile
     # FSDP2 + TP=2 over 2 ranks: vLLM's half of the weights, which FSDP2's frozen shards become; half the adapter
-    assert budget(2, 2, sharded=True, fsdp=True) == (frozen // 2, -(-trainable // 2))
+    # (its fp32 masters arrive with FSDP2, its gradients and Adam moments are counted per parameter)
+    assert budget(2, 2, sharded=True, fsdp=True) == (frozen // 2 + trainable * 4 // 2, -(-trainable // 2))
     # standby alone under FSDP: vLLM's half, and FSDP2's own quarter of the frozen weights over 4 ranks
-    assert budget(2, 4, fsdp=True) == (frozen // 2 + frozen // 4, -(-trainable // 4))
+    assert budget(2, 4, fsdp=True) == (frozen // 2 + frozen // 4 + trainable, -(-trainable // 4))
 
 
 def test_kv_budget_sizes_a_rank_cache_for_the_sequences_it_is_handed(monkeypatch):

@@ -304,8 +304,9 @@ def test_trainer_inputs_that_cannot_share_are_refused_or_copied_before_loading(t
     config = types.SimpleNamespace(turbo_vllm_shared_weights=True, model_init_kwargs=None)
     llama = tiny_model("llama", vocab_size=len(VOCAB))
     check_trainer_inputs(config, llama, LoraConfig(r=8))
-    with pytest.raises(ValueError, match="peft_config=LoraConfig"):
-        check_trainer_inputs(config, llama, None)
+    check_trainer_inputs(config, llama, None)  # full fine-tuning: vLLM samples the trained parameters
+    with pytest.raises(ValueError, match="turbo_vllm_sampling='merged'.*full|every weight"):
+        check_trainer_inputs(types.SimpleNamespace(**vars(config), turbo_vllm_sampling="merged"), llama, None)
     with pytest.raises(ValueError, match="DoRA"):
         check_trainer_inputs(config, llama, LoraConfig(r=8, use_dora=True))
     # model types whose vLLM layout is not mapped: a separate copy in vLLM, with a warning
@@ -313,6 +314,8 @@ def test_trainer_inputs_that_cannot_share_are_refused_or_copied_before_loading(t
                                                                  vocab_size=len(VOCAB)))
     with pytest.warns(RuntimeWarning, match="'gpt2'.*separate 16-bit copy.*2 bytes per base parameter"):
         check_trainer_inputs(config, gpt2, LoraConfig(r=8))
+    with pytest.raises(ValueError, match="full fine-tuning.*'gpt2'.*turbo_vllm_shared_weights=False"):
+        check_trainer_inputs(config, gpt2, None)  # full fine-tuning of an unmapped family: no copy path
     AutoConfig.for_model("phi3", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                          vocab_size=len(VOCAB)).save_pretrained(tmp_path)
     with pytest.warns(RuntimeWarning, match="'phi3'.*separate 16-bit copy"):  # a checkpoint path, read before loading

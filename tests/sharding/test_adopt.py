@@ -6,7 +6,9 @@ vocabulary blocks, whole norms), filled by a loader that narrows whole tensors b
 loader is used on the GPU). Checked per rank: every shared projection's FSDP2 storage is the engine's memory, the
 sharded model's logits equal the unsharded model's, a write into the engine is what FSDP2's next forward computes
 with, LoRA trains while the engine's base bytes stay bitwise the same, and a rank whose engine slice differs makes
-every rank refuse (no hang, nothing adopted).
+every rank refuse (no hang, nothing adopted). Merged sampling writes the adapter into the engine's slices and
+restores them bitwise; with full fine-tuning the engine holds the trained shards (adopted, or cast in at a sync) and
+a sync reloads the norms it lays out itself.
 """
 
 from __future__ import annotations
@@ -44,14 +46,14 @@ SCRIPT = textwrap.dedent(
 
     class Engine:
         # vLLM's TP rank `rank`: one tensor per vLLM parameter, NaN until loaded
-        def __init__(self, facts, shapes, corrupt=None):
+        def __init__(self, facts, shapes, corrupt=None, dtype=torch.float32):
             self.tp_rank, self.facts, self.corrupt, self.tensors = rank, facts, corrupt, {}
             for name, shape in shapes.items():
                 layout = tp_layout(name, shape, facts, T, rank)
                 size = list(shape)
                 if layout.slice is not None and layout.slice.dim is not None:
                     size[layout.slice.dim] = layout.slice.local_size
-                self.tensors.setdefault(layout.vllm_name, torch.full(size, float("nan")))
+                self.tensors.setdefault(layout.vllm_name, torch.full(size, float("nan"), dtype=dtype))
 
         def load(self, hf_name, full):
             layout = tp_layout(hf_name, full.shape, self.facts, T, rank)
@@ -70,18 +72,20 @@ SCRIPT = textwrap.dedent(
             return tensor if s.dim is None else tensor.narrow(s.dim, s.offset, s.length)
 
 
-    def build():
+    def build(lora=True):
         torch.manual_seed(0)
         base = tiny_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=16, layers=2)
+        if not lora:
+            return base
         model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
                                                 init_lora_weights=False))
         return model
 
 
-    def prepare(model, engine, merged=False):
-        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None)
-        share = ShardedShare(lambda: engine, torch.float32, T, state, merged=merged)
+    def prepare(model, engine, merged=False, engine_dtype=torch.float32):
+        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, weight_copies=None)
+        share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged)
         registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
@@ -148,6 +152,40 @@ SCRIPT = textwrap.dedent(
     state.merged.restore()
     report["restored_bitwise"] = all(torch.equal(t, before[name]) for name, t in engine.tensors.items())
 
+    # full fine-tuning: every weight trains. Same dtype as the engine: the shards are the engine's memory, so the
+    # optimizer's update is what it samples, and a sync only reloads what it lays out itself (the norms)
+    def train_step(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(input_ids=ids).logits.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    engine = Engine(facts, shapes)
+    model, share, state = prepare(build(lora=False), engine)
+    train_step(model)
+    copies = state.weight_copies
+    report["full_ft_same_dtype"] = {"shared": len(share.result.shared), "casts": len(copies.casts),
+                                    "reloads": sorted(name for name, _ in copies.reloads)}
+    copies.sync()
+    params = dict(model.named_parameters())
+    report["full_ft_same_dtype"]["engine_is_trained"] = all(
+        torch.equal(engine.slice_of(entry.layouts[rank]), params[entry.name].to_local())
+        for entry in share.placement.plan.params if entry.kind == "shared")
+    report["full_ft_same_dtype"]["norms_synced"] = torch.equal(engine.tensors["model.norm.weight"],
+                                                               params["model.norm.weight"].full_tensor())
+    # fp32 masters over a bf16 engine: each shard is cast into its slice at a sync, rank-locally
+    engine = Engine(facts, shapes, dtype=torch.bfloat16)
+    model, share, state = prepare(build(lora=False), engine, engine_dtype=torch.bfloat16)
+    train_step(model)
+    copies = state.weight_copies
+    copies.sync()
+    params = dict(model.named_parameters())
+    report["full_ft_cast"] = {
+        "shared": len(share.result.shared), "casts": len(copies.casts), "reloads": len(copies.reloads),
+        "engine_is_trained": all(
+            torch.equal(engine.slice_of(entry.layouts[rank]), params[entry.name].to_local().to(torch.bfloat16))
+            for entry in share.placement.plan.params if entry.kind == "cast")}
+
     # one rank's engine slice differs: every rank refuses, none adopts
     model = build()
     engine = Engine(facts, shapes, corrupt="model.layers.1.mlp.up_proj.weight" if rank == 1 else None)
@@ -188,5 +226,10 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
         assert report["merge_changed"] == sorted(f"model.layers.{i}.{n}" for i in range(2)
                                                  for n in ("self_attn.qkv_proj.weight", "mlp.down_proj.weight"))
         assert report["restored_bitwise"]
+        norms = [f"model.layers.{i}.{n}.weight" for i in range(2)
+                 for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
+        assert report["full_ft_same_dtype"] == {"shared": 16, "casts": 0, "reloads": sorted(norms),
+                                                "engine_is_trained": True, "norms_synced": True}
+        assert report["full_ft_cast"] == {"shared": 0, "casts": 16, "reloads": 5, "engine_is_trained": True}
     assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
     assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]

@@ -89,11 +89,14 @@ def test_refused_tp_size_raises():
         plan_placements(llama_specs(LLAMA_8B, 1), LLAMA_8B, 3)
 
 
-def test_dtype_other_than_the_engines_is_an_own_copy():
+def test_dtype_other_than_the_engines_is_cast_into_its_slice():
+    """fp32 masters over a bf16 engine: the shard is still the slice (same placement), cast into vLLM's copy."""
     plan = plan_model(tiny(), 2, engine_dtype=torch.bfloat16)  # the tiny model is fp32
     q = next(p for p in plan.params if p.name.endswith("0.self_attn.q_proj.weight"))
-    assert q.kind == "own_copy" and q.obstacle == Obstacle.DTYPE and q.shard_dim == 0
+    assert q.kind == "cast" and q.obstacle == Obstacle.DTYPE and q.shard_dim == 0
     assert q.vllm_copy_bytes == 32 * 64 * 2  # its 32-row slice in vLLM's bf16
+    down = next(p for p in plan.params if p.name.endswith("0.mlp.down_proj.weight"))
+    assert down.kind == "cast" and down.shard_dim == 1
 
 
 def test_peft_model_base_weights_shared_lora_factors_default():

@@ -98,10 +98,9 @@ def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nes
                 host_capacity_bytes: int | None = None) -> RunPlan:
     """The run plan of `args` (a GRPOConfig's fields) for the model `spec` counts, as a trainer on a CUDA device
     would resolve it; refused as the trainer would refuse it."""
-    from ..checks import SHARING_NEEDS_AN_ADAPTER
-
     if Settings.of(args).vllm_shared_weights and not spec.lora_parameters:
-        raise ValueError(SHARING_NEEDS_AN_ADAPTER)
+        raise ValueError("`trl-turbo plan` forecasts shared weights for LoRA runs; full fine-tuning with "
+                         "`turbo_vllm_shared_weights=True` runs, but has no forecast yet.")
     facts = spec_engine_facts(spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
                               host_capacity_bytes=host_capacity_bytes)
     return forecast_plan(args, engine_facts=facts)

@@ -49,6 +49,10 @@ class ShardedSharing:
     shared_bytes: int = 0  # engine memory that is now also FSDP2's shard (held once)
     shared: list[str] = field(default_factory=list)
     own_copies: dict[str, int] = field(default_factory=dict)  # name -> bytes of the engine's own copy on this rank
+    # trained parameters the engine keeps its own copy of: cast into its slice (parameter, slice), or gathered and
+    # loaded (HF name, parameter), at each sync
+    casts: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    reloads: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
 
 def base_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -120,17 +124,24 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine) -> 
         engine.load(hf_name, param.full_tensor())  # collective: every rank gathers the same parameter in turn
         entry = planned.get(hf_name)
         local = param.to_local()
-        if entry is None or entry.kind != "shared":
+        if entry is None or entry.kind not in ("shared", "cast"):
             result.own_copies[hf_name] = entry.vllm_copy_bytes if entry is not None else 0
+            if param.requires_grad:
+                result.reloads.append((hf_name, param))
             continue
         view = engine.slice_of(entry.layouts[engine.tp_rank])
         fsdp_param = by_param.get(id(param))
-        if fsdp_param is None or view.shape != local.shape or view.dtype != local.dtype:
+        cast = entry.kind == "cast"
+        if fsdp_param is None or view.shape != local.shape or (view.dtype != local.dtype and not cast):
             mismatches.append(f"{hf_name}: FSDP2's shard {tuple(local.shape)} {local.dtype}, engine slice "
                               f"{tuple(view.shape)} {view.dtype}" + ("" if fsdp_param else " (no FSDPParam)"))
-        elif not torch.equal(view, local):
+        elif not torch.equal(view, local.to(view.dtype)):
             mismatches.append(f"{hf_name}: the engine's slice differs from FSDP2's shard on tensor-parallel rank "
                               f"{engine.tp_rank}")
+        elif cast:
+            result.own_copies[hf_name] = view.numel() * view.element_size()
+            if param.requires_grad:
+                result.casts.append((param, view))
         else:
             adoptions.append((hf_name, fsdp_param, view))
     if _all_ranks_agree(len(mismatches), device):

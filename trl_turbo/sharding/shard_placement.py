@@ -49,8 +49,9 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class ParamPlan:
-    """One parameter's placement. `kind`: "shared" (FSDP2's shard is the vLLM slice on every rank), "own_copy"
-    (vLLM keeps its own; `vllm_copy_bytes` per rank, the largest over the ranks) or "adapter" (LoRA)."""
+    """One parameter's placement. `kind`: "shared" (FSDP2's shard is the vLLM slice on every rank), "cast" (the
+    shard is the slice in another dtype: vLLM keeps its own, written from the shard rank-locally), "own_copy" (vLLM
+    keeps its own, laid out otherwise; `vllm_copy_bytes` per rank, the largest over the ranks) or "adapter"."""
 
     name: str
     hf_name: str
@@ -77,6 +78,7 @@ class PlacementPlan:
 
     @property
     def own_copy_bytes_per_rank(self) -> int:
+        """Bytes of vLLM weights per rank held next to FSDP2's shard (own copies and cast copies)."""
         return sum(p.vllm_copy_bytes for p in self.params)
 
     @property
@@ -87,7 +89,8 @@ class PlacementPlan:
     def describe(self) -> str:
         """A short report: shared bytes, and each weight that keeps its own copy, grouped by reason."""
         lines = [f"T={self.tp_size}: {len(self.of_kind('shared'))} weights shared "
-                 f"({_size(self.shared_bytes_per_rank)} per rank), {len(self.of_kind('own_copy'))} with a "
+                 f"({_size(self.shared_bytes_per_rank)} per rank), {len(self.of_kind('cast'))} cast into vLLM's "
+                 f"slice, {len(self.of_kind('own_copy'))} with a "
                  f"copy of their own in vLLM ({_size(self.own_copy_bytes_per_rank)} per rank), "
                  f"{len(self.of_kind('adapter'))} adapter tensors"]
         by_reason: dict[str, list[ParamPlan]] = {}
@@ -152,10 +155,13 @@ def plan_placements(params: Mapping[str, ParamSpec], facts: ModelFacts, tp_size:
         obstacle, detail = (blocked.obstacle, blocked.detail) if blocked else (None, "")
         if any(copy in name for copy in _PEFT_COPIES):
             obstacle, detail = Obstacle.UNKNOWN, "PEFT modules_to_save: vLLM gets the trained copy, not this one"
-        elif obstacle is None and engine_dtype is not None and spec.dtype != engine_dtype:
-            obstacle, detail = Obstacle.DTYPE, f"{spec.dtype} here, {engine_dtype} in vLLM"
         itemsize = (engine_dtype or spec.dtype).itemsize
-        if obstacle is None:
+        if obstacle is None and engine_dtype is not None and spec.dtype != engine_dtype:
+            # the shard is the slice, in another dtype (fp32 masters): cast into vLLM's slice, rank-locally
+            plans.append(ParamPlan(name, first.hf_name, first.vllm_name, "cast", first.fsdp_dim, Obstacle.DTYPE,
+                                   f"{spec.dtype} here, {engine_dtype} in vLLM", nbytes,
+                                   _vllm_copy_bytes(layouts, spec, itemsize), tuple(layouts)))
+        elif obstacle is None:
             plans.append(ParamPlan(name, first.hf_name, first.vllm_name, "shared", first.fsdp_dim, None, "",
                                    nbytes, 0, tuple(layouts)))
         else:

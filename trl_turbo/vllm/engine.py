@@ -525,6 +525,26 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     return shared
 
 
+def share_trained_parameters(llm: Any, model: torch.nn.Module, training_device: torch.device | None = None) -> Any:
+    """Full fine-tuning: load every parameter into vLLM, then make each one a view of its vLLM region where the
+    dtypes match (else it is cast there at each sync). Returns the `WeightCopies` a sync runs."""
+    from .trained_weights import share_trained_weights
+    from .weight_views import hf_weight_name, plan_shared_views, view_of, vllm_weight_name
+
+    vllm_model = driver_model(llm)
+    params = [(hf_weight_name(name), param) for name, param in model.named_parameters()]
+    vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
+    views = plan_shared_views({name: tuple(p.shape) for name, p in params},
+                              {name: tuple(p.shape) for name, p in vllm_params.items()},
+                              getattr(vllm_model, "packed_modules_mapping", {}))
+    load_weights(llm, hf_state_for_vllm(model))
+    regions = {view.hf_name: view_of(vllm_params[view.vllm_name], view) for view in views}
+    copies = share_trained_weights(params, regions, device=training_device)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return copies
+
+
 # -------------------------------------------------------------------------------------------- 4-bit weights
 @contextlib.contextmanager
 def feeding_4bit_weights(peft_model: Any) -> Iterator[None]:

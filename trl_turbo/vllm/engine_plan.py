@@ -83,24 +83,26 @@ class EngineFacts:
     processes_on_host: int
     host_bytes: int  # host memory available
     installed_vllm: bool = True  # judge by the installed vLLM's abilities (a forecast for another machine: False)
+    has_adapter: bool = True  # a LoRA run (False: full fine-tuning)
 
 
 def engine_facts(model: Any, host_bytes: int | None = None) -> EngineFacts:
     """The facts of a loaded PEFT policy model (`host_bytes`: the host memory to plan with; default: available now)."""
     quantization = quantization_config_dict(getattr(model.config, "quantization_config", None))
-    adapter = model.active_adapter
+    adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
     four_bit = bool(four_bit_weights(model))
     return EngineFacts(
         model_type=getattr(model.config, "model_type", None),
         quantization=quantization,
         four_bit=four_bit,
         layout_problems=tuple(layout_problems(model)) if quantization is not None else (),
-        merge_problems=tuple(merge_problems(model, adapter)),
-        adapted_weight_bytes=adapted_weight_bytes(model, adapter),
+        merge_problems=tuple(merge_problems(model, adapter)) if adapter is not None else (),
+        adapted_weight_bytes=adapted_weight_bytes(model, adapter) if adapter is not None else 0,
         linear_weight_bytes=0 if four_bit else sum(m.weight.numel() * m.weight.element_size()
                                                    for m in quantized_linear_modules(model)),
         processes_on_host=local_process_count(),
         host_bytes=available_host_bytes() if host_bytes is None else host_bytes,
+        has_adapter=adapter is not None,
     )
 
 
@@ -120,6 +122,8 @@ class EnginePlan:
     kv_cache_dtype: KVCacheDtype
     # what the run passed to vLLM's `LLM` (trl_turbo's arguments; a forecast has none)
     engine_kwargs: Mapping[str, Any] | None = None
+    # full fine-tuning: the trained parameters are vLLM's weights (or cast into them at each sync); no adapter
+    full_finetuning: bool = False
     tp_size: int = 1  # vLLM's tensor-parallel size
     # FSDP2 shards the training model: the shared weights are each rank's tensor-parallel slices, adopted when FSDP2
     # wraps the model (`trl_turbo.vllm.sharded`)
@@ -183,7 +187,8 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
             raise ValueError(f"`turbo_vllm_shared_weights=True` under FSDP2 shares tensor-parallel slices of 16-bit "
                              f"weights only, and this model cannot share them: {'; '.join(sharing.reasons)}. Set "
                              "`turbo_vllm_shared_weights=False` (TRL's weight sync), or train with DDP.")
-        sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts)
+        sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts) if facts.has_adapter else (
+            None, [])
         if sharded and sampling is SamplingMode.MERGED and unshared_adapted:
             sampling, problems = SamplingMode.LORA, [*problems, f"{len(unshared_adapted)} adapted weights keep a "
                                                      f"copy of their own in vLLM (e.g. {unshared_adapted[0]}), which "
@@ -192,11 +197,13 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
     parks, park_problem = fp8_parking(facts) if fp8 else (False, None)
     return EnginePlan(
         sharing=sharing, sampling=sampling, sampling_problems=tuple(problems),
-        # under FSDP2 the model waits on the host until training starts: nothing to park
-        parks_while_starting=sharing is not None and (sharing.mode == SHARED or fp8) and not sharded,
+        # under FSDP2 the model waits on the host until training starts, and full fine-tuning parks nothing (no
+        # frozen weights): nothing to park
+        parks_while_starting=sharing is not None and (sharing.mode == SHARED or fp8) and not sharded
+        and facts.has_adapter,
         fp8_parks_base=parks, fp8_park_problem=park_problem,
         standby=colocate and settings.vllm_standby, kv_cache_dtype=settings.vllm_kv_cache_dtype,
-        tp_size=tp_size, sharded=sharded,
+        full_finetuning=sharing is not None and not facts.has_adapter, tp_size=tp_size, sharded=sharded,
     )
 
 
@@ -231,8 +238,8 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
         kwargs["kv_cache_dtype"] = settings.vllm_kv_cache_dtype.value
     if sharing is not None:
         peft_model = generation.model
-        # vLLM's plain (or fp8) layers: no LoRA slots, no LoRA ops in its graphs
-        if sampling not in (SamplingMode.MERGED, SamplingMode.FP8):
+        # LoRA slots only where vLLM samples through its LoRA layers
+        if sampling == SamplingMode.LORA:
             kwargs.update(lora_engine_kwargs(peft_model.peft_config[peft_model.active_adapter]))
         quantization = quantization_config_dict(getattr(peft_model.config, "quantization_config", None))
         if sampling == SamplingMode.FP8:
@@ -299,6 +306,8 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     weight_bytes = _vllm_weight_bytes(model, sharing, sampling)
+    if not hasattr(model, "peft_config"):  # full fine-tuning: vLLM loads a 16-bit copy of every parameter
+        weight_bytes = sum(p.numel() for p in model.parameters()) * 2
     tp = max(1, int(getattr(generation, "tensor_parallel_size", 1) or 1))
     if tp > 1 or fsdp:
         # vLLM holds 1/T of the weights; under FSDP the model reaches the device only when training starts, as
@@ -306,7 +315,9 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
         world = max(1, int(getattr(generation.accelerator, "num_processes", 1)))
         frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         weight_bytes = weight_bytes // tp + (0 if not fsdp or sharded else frozen // world)
-        trainable = -(-trainable // world) if fsdp else trainable
+        if fsdp:  # the trainable parameters themselves arrive with FSDP2, as fp32 shards
+            weight_bytes += trainable * 4 // world
+            trainable = -(-trainable // world)
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -355,6 +366,8 @@ class EngineState:
         self.fp8: Fp8Sampling | None = None
         self.standby: Any = None
         self.lora_request: Any = None
+        self.full_finetuning = False  # the trained parameters are vLLM's weights (no adapter to hand over)
+        self.weight_copies: Any = None  # full fine-tuning: what a sync refreshes in vLLM (`WeightCopies`)
         self.shared_bytes = 0
         self.copy_bytes = 0
         self.metrics: dict[str, float] = {}

@@ -36,6 +36,7 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
     it stands by. `parked`: the training model's frozen weights waiting on the host while vLLM started. Returns the
     engine's state and its plan with the fp8 parking decided (from the host memory left once the engine exists)."""
     state = EngineState()
+    state.full_finetuning = plan.full_finetuning
     llm, model = generation.llm, generation.model
     sharing, sampling = plan.sharing, plan.sampling
     release_with_kv = []
@@ -44,6 +45,9 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device, fp8=fp8)
         views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
         release_with_kv = [tensor.rows for tensor in fp8.values()]
+    elif sharing is not None and plan.full_finetuning and not plan.sharded:
+        state.weight_copies = vllm_engine.share_trained_parameters(llm, model, generation.accelerator.device)
+        state.shared_bytes = state.weight_copies.shared_bytes
     elif sharing is not None:
         if plan.sharded:  # FSDP2 has not sharded the model yet: the share waits on it (`sharded.ShardedShare`)
             share = ShardedShare.of_engine(llm, plan.tp_size, state, merged=sampling is SamplingMode.MERGED)
@@ -55,7 +59,7 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         if sampling is SamplingMode.MERGED:
             if not plan.sharded:  # sharded: set up on FSDP2's shards once they are vLLM's (`ShardedShare.complete`)
                 state.merged = MergedSampling(model, model.active_adapter)
-        else:
+        elif sampling is SamplingMode.LORA:
             state.adapters = vllm_engine.TensorAdapters(llm)
     if plan.standby:
         state.standby = vllm_engine.KVStandby(llm, also_release=release_with_kv)

@@ -1,0 +1,88 @@
+"""Full fine-tuning with shared weights: vLLM samples the weights the optimizer trains, with no push per step.
+
+Design: every parameter of the training model is planned against vLLM's tensors by the same name and row rules as a
+LoRA run's frozen base (`weight_views`), after vLLM's own `load_weights` filled them once. Where the training
+parameter has the engine's dtype it becomes a view of vLLM's tensor: the optimizer's in-place update is then what the
+next generation samples from, and a step's sync is nothing but a prefix-cache reset. Where it does not (fp32 master
+parameters next to a 16-bit engine), vLLM keeps its own 16-bit tensors and each sync casts every parameter into its
+slice in place (`WeightCopies`): device-to-device copies, no gather, no `load_weights`. Under FSDP2 each rank does
+the same with its shards (`trl_turbo.sharding.adopt`): a shard that is its vLLM slice is adopted or cast into it, and
+what vLLM lays out otherwise (norms, a padded vocabulary) is gathered and loaded through vLLM's own loader each sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+@dataclass
+class WeightCopies:
+    """What a sync refreshes in vLLM from the trained parameters: `casts`, (parameter, vLLM region) pairs copied
+    (with a cast) in place; `reloads`, (HF name, parameter) pairs gathered whole (FSDP2) and handed to `load`, vLLM's
+    loader. Every rank runs the same reloads in the same order (they may be collective)."""
+
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    reloads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    load: Callable[[str, torch.Tensor], None] | None = None
+    shared_bytes: int = 0  # training parameters that are vLLM's memory (nothing to copy)
+
+    @property
+    def cast_bytes(self) -> int:
+        return sum(target.numel() * target.element_size() for _, target in self.casts)
+
+    @torch.no_grad()
+    def sync(self) -> float:
+        """Refresh vLLM's copies; returns the seconds it took (device synchronised)."""
+        start = time.perf_counter()
+        for source, target in self.casts:
+            target.copy_(_local(source))
+        for name, param in self.reloads:
+            if self.load is None:
+                raise RuntimeError("trl_turbo: no loader for the weights vLLM lays out itself")
+            self.load(name, _whole(param).detach())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def share_trained_weights(params: Sequence[tuple[str, torch.nn.Parameter]], regions: dict[str, torch.Tensor],
+                          *, device: torch.device | None = None) -> WeightCopies:
+    """One process, whole weights: each (HF name, parameter) whose vLLM region (`regions`, already loaded with the
+    same values) has the parameter's dtype becomes a view of it; the others are cast into it at each sync. Raises
+    ValueError when a region does not hold the parameter's values (a layout that does not match)."""
+    from .weight_views import LayoutMismatch
+
+    copies = WeightCopies()
+    views = []
+    for name, param in params:
+        region = regions[name]
+        if region.shape != param.shape:
+            raise LayoutMismatch(f"{name}: vLLM's region {tuple(region.shape)} is not the parameter's "
+                                 f"{tuple(param.shape)}")
+        expected = param.detach().to(device=region.device, dtype=region.dtype)
+        if not torch.equal(region, expected):
+            raise LayoutMismatch(f"{name}: vLLM's region differs from the training parameter after loading; "
+                                 "refusing to share a layout that does not match.")
+        target_device = device or param.device
+        if region.dtype == param.dtype and region.device == torch.device(target_device):
+            views.append((param, region))
+        else:
+            copies.casts.append((param, region))
+    for param, region in views:
+        param.data = region
+        copies.shared_bytes += region.numel() * region.element_size()
+    return copies

@@ -56,7 +56,8 @@ class RunPlan:
                 "sampling": None if engine.sampling is None else engine.sampling.value,
                 "parks_while_starting": engine.parks_while_starting, "fp8_parks_base": engine.fp8_parks_base,
                 "standby": engine.standby, "kv_cache_dtype": engine.kv_cache_dtype.value,
-                "kv_cache_bytes": engine.kv_cache_bytes,
+                "kv_cache_bytes": engine.kv_cache_bytes, "full_finetuning": engine.full_finetuning,
+                "tp_size": engine.tp_size, "sharded": engine.sharded,
             },
         }
 

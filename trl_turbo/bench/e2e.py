@@ -292,7 +292,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             trainer = GRPOTrainer(
                 model=spec["checkpoint"], reward_funcs=hashed_reward, args=config, train_dataset=dataset,
                 processing_class=tokenizer,
-                peft_config=LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+                peft_config=None if spec.get("lora") is None else LoraConfig(
+                    r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
+                    target_modules=spec["lora"]["target_modules"], task_type="CAUSAL_LM"),
             )
             torch.cuda.synchronize()
             row["init_s"] = time.perf_counter() - start
@@ -485,7 +487,8 @@ def run(args: argparse.Namespace) -> Path:
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
               "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib, "vllm_tp": args.vllm_tp,
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
-              "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "dtype": "bfloat16",
+              "lora": None if args.full_finetuning else {"r": 16, "alpha": 16, "target_modules": "all-linear"},
+              "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
               "launches": launches, "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes
                                                              for launch in launches},
@@ -496,7 +499,7 @@ def run(args: argparse.Namespace) -> Path:
     meta = metadata("e2e", device, config)
     several = ("" if launches == [SINGLE_GPU] else f"-{args.processes}gpu") + (
         f"-tp{args.vllm_tp}" if args.vllm_tp > 1 else "")
-    preset = "" if args.preset == "anchor" else f"-{args.preset}"
+    preset = ("" if args.preset == "anchor" else f"-{args.preset}") + ("-full" if args.full_finetuning else "")
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
     stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"
     rows: list[dict[str, Any]] = []
@@ -646,6 +649,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"comma-separated: {SINGLE_GPU} and/or TRL accelerate configs (multi_gpu, zero2, …)")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of each launch other than 1gpu")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size (every variant)")
+    parser.add_argument("--full-finetuning", action="store_true", help="train every weight (no LoRA adapter)")
     parser.add_argument("--gpu-gib", type=float, default=None,
                         help="cap each variant's process at this much device memory (a smaller GPU): torch's "
                              "per-process fraction, less the CUDA context the driver holds; one GPU only")

@@ -49,7 +49,37 @@ def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
             "shared_gib": share.result.shared_bytes / 2**30, "differing_from_checkpoint": differing}
 
 
+@torch.no_grad()
+def trained_gaps(trainer: Any, checkpoint: Path, prompts: int = 8, tokens: int = 8) -> tuple[float, float]:
+    """Full fine-tuning: vLLM samples; mean |Δ log-prob| of the sampled tokens against the trained (sharded) policy
+    and against the checkpoint it started from (the sampler must follow the first, not the second)."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from trl_turbo.testing.tokenizer import VOCAB
+    from trl_turbo.testing.vllm_checks import engine_generate
+
+    token_ids = [[3 + (7 * i + j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
+    outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
+                                                                 ignore_eos=True, seed=0))
+    device = trainer.accelerator.device
+    start = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval()
+    trainer.model.eval()
+    gaps: dict[str, list[torch.Tensor]] = {"trained": [], "start": []}
+    for prompt, output in zip(token_ids, outputs):
+        completion = list(output.outputs[0].token_ids)
+        sampled = torch.tensor([lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, completion)])
+        ids = torch.tensor([prompt + completion], device=device)
+        for name, model in (("trained", trainer.model), ("start", start)):
+            logps = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+            hf = logps.gather(-1, ids[0, len(prompt):, None]).squeeze(-1).cpu()
+            gaps[name].append((hf - sampled).abs().mean())
+    trainer.model.train()
+    return float(torch.stack(gaps["trained"]).mean()), float(torch.stack(gaps["start"]).mean())
+
+
 def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]:
+    """`sampling`: a LoRA run's sampling mode, or "full" (full fine-tuning, no adapter)."""
     from transformers import TrainerCallback
 
     from trl_turbo.testing.vllm_checks import build_trainer, eager_engines, logprob_gaps, randomize_adapter
@@ -57,9 +87,11 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]
 
     with warnings.catch_warnings(record=True) as caught, eager_engines():
         warnings.simplefilter("always")
+        full = sampling == "full"
         trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2,
-                                turbo_vllm_sampling=sampling)
-    randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
+                                lora=not full, **({} if full else {"turbo_vllm_sampling": sampling}))
+    if not full:
+        randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
     used: list[float] = []
 
     class Record(TrainerCallback):
@@ -72,10 +104,13 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]
     logs = trainer.state.log_history
     state = engine_state(trainer.vllm_generation)
     result = {
-        "sampling": "merged" if state.merged is not None else "lora" if state.adapters is not None else None,
+        "sampling": ("merged" if state.merged is not None else "lora" if state.adapters is not None
+                     else "full" if state.full_finetuning else None),
+        "casts": len(state.weight_copies.casts) if state.weight_copies is not None else 0,
         "own_copy_warnings": sum("keep a copy of their own" in str(w.message) for w in caught),
         **shard_report(trainer, workdir),
-        "gaps_after": logprob_gaps(trainer),  # collective: every rank runs the same forwards
+        # collective: every rank runs the same forwards
+        "gaps_after": trained_gaps(trainer, workdir) if full else logprob_gaps(trainer),
         "weight_sync_s": [log["vllm/weight_sync_s"] for log in logs if "vllm/weight_sync_s" in log],
         "shared_weights_gib": [log["vllm/shared_weights_gib"] for log in logs if "vllm/shared_weights_gib" in log],
         "losses": [log["loss"] for log in logs if "loss" in log],

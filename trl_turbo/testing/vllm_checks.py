@@ -160,9 +160,10 @@ TINY_SHAPE: dict[str, Any] = {"hidden_size": 256, "layers": 2, "head_dim": 64, "
 
 
 def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quantization: str | None = None,
-                  model_shape: dict[str, Any] | None = None, **config_overrides: Any) -> Any:
+                  model_shape: dict[str, Any] | None = None, lora: bool = True, **config_overrides: Any) -> Any:
     """A shared-weight, standby GRPOTrainer with colocated vLLM over a tiny random ``arch`` model (``TINY_SHAPE``, or
-    ``model_shape``) saved at ``path`` (loaded through bitsandbytes with one of ``QUANTIZATIONS``, if named)."""
+    ``model_shape``) saved at ``path`` (loaded through bitsandbytes with one of ``QUANTIZATIONS``, if named), training
+    a LoRA adapter (every weight with ``lora=False``)."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -185,7 +186,7 @@ def build_trainer(arch: str, path: Path, steps: int, completion_cap: int, quanti
     return GRPOTrainer(
         model=str(path), reward_funcs=[make_length_reward(completion_cap)], args=config,
         train_dataset=arithmetic.load_dataset("train").select(range(64)), processing_class=build_tokenizer(),
-        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0),
+        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0) if lora else None,
     )
 
 

@@ -303,12 +303,9 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
             row["liger_layers"] = variant != "stock" and run_plan.of(trainer).memory.liger  # resolved from auto
             if variant != "stock":
                 row["run_plan"] = run_plan.of(trainer).describe()  # the decisions the row was measured under
-            from ..vllm.engine_plan import engine_state
-
-            engine = engine_state(trainer.vllm_generation)
-            row["sampling"] = (None if engine is None else "merged" if engine.merged is not None
-                               else "fp8" if engine.fp8 is not None
-                               else "lora" if engine.adapters is not None else None)
+            # the plan's mode: under FSDP2 the engine sets it up only when training starts
+            engine = run_plan.of(trainer).engine if variant != "stock" else None
+            row["sampling"] = None if engine is None or engine.sampling is None else engine.sampling.value
             row.update(weight_accounting(trainer))
             row.update(cumem_pools())
 

@@ -52,10 +52,15 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per sequence (default 256)")
     parser.add_argument("--completion-tokens", type=int,
                         help="completion tokens per sequence (default: the config's max_completion_length)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="GPUs of one node under TRL's fsdp2.yaml (default 1); the forecast is per GPU")
+    parser.add_argument("--tp", type=int, help="vLLM's tensor-parallel size (default: the config's)")
     options = parser.parse_args(argv)
+    fields = {} if options.tp is None else {"vllm_tensor_parallel_size": options.tp}
     try:
         forecast = plan(options.config, options.model, gpu_gib=options.gpu_gib, host_gib=options.host_gib,
-                        prompt_tokens=options.prompt_tokens, completion_tokens=options.completion_tokens)
+                        prompt_tokens=options.prompt_tokens, completion_tokens=options.completion_tokens,
+                        processes=options.processes, **fields)
     except (ValueError, OSError, KeyError) as exc:
         print(f"trl-turbo plan: {exc}", file=sys.stderr)
         return 2

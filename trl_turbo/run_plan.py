@@ -175,6 +175,7 @@ def forecast(args: Any, *, engine_facts: EngineFacts | None, cuda_device: bool =
     `engine_facts`: the policy model's, needed with shared weights; judged by the installed vLLM as the facts say).
     Liger's layers are not forecast."""
     settings = Settings.of(args)
-    engine = plan_engine(settings, engine_facts) if _colocated(args) else None
+    engine = plan_engine(settings, engine_facts, tp_size=int(getattr(args, "vllm_tensor_parallel_size", 1) or 1),
+                         fsdp2=detect_strategy(args) is Strategy.FSDP2) if _colocated(args) else None
     installed = engine_facts.installed_vllm if engine_facts is not None else True
     return _plan(args, settings, engine, cuda_device=cuda_device, liger_enabled=liger_enabled, installed=installed)

@@ -41,7 +41,7 @@ def _results(kind: str) -> list[dict]:
 
 def _spec(config: dict):
     params = dict(config["model_config"])
-    return model_spec(AutoConfig.for_model(params.pop("model_type"), **params), config["lora"]["r"])
+    return model_spec(AutoConfig.for_model(params.pop("model_type"), **params), (config["lora"] or {}).get("r"))
 
 
 def test_training_peaks_match_every_current_bench_train_row():
@@ -107,6 +107,50 @@ def test_run_peaks_and_kv_cache_match_the_current_e2e_rows():
                 assert peak == pytest.approx(measured, rel=TOLERANCE), (row["variant"], peak, measured)
             checked += 1
     assert checked >= 6, checked
+
+
+# FSDP2 + tensor-parallel rows measured with the per-rank KV budget (its KV heads, from commit f5aaf79 on)
+FSDP2_TP_CURRENT_FROM = "2026-11-27T18:20"
+
+
+def test_per_gpu_forecast_matches_the_current_fsdp2_tensor_parallel_rows(monkeypatch):
+    """`trl-turbo plan --processes N --tp T`: per GPU, FSDP2's shards (turbo: one copy, each rank's vLLM slices;
+    stock: an FSDP2 shard and a vLLM shard of every weight), the rank's KV heads for its TP group's sequences."""
+    checked = 0
+    for result in _results("e2e"):
+        config = result["config"]
+        if result["date"] < FSDP2_TP_CURRENT_FROM or config.get("vllm_tp", 1) < 2 or config["lora"] is None:
+            continue
+        spec = _spec(config)
+        sequences = config["prompts"] * config["generations"]
+        processes = config["processes_per_launch"]["fsdp2"]
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+        for row in result["rows"]:
+            fields = {**config["common_config"], **config["variant_config"][row["variant"]]}
+            args = types.SimpleNamespace(use_vllm=True, per_device_train_batch_size=config["micro_batch"],
+                                         steps_per_generation=sequences // config["micro_batch"],
+                                         max_completion_length=config["completion_len"], world_size=processes,
+                                         fsdp="full_shard", fsdp_config={"version": 2},
+                                         vllm_tensor_parallel_size=config["vllm_tp"], **fields)
+            forecast = forecast_run(args, spec, capacity_bytes=CAPACITY[result["gpu"]],
+                                    prompt_tokens=config["prompt_len"], stock=row["variant"] == "stock")
+            kv = forecast.phases[0].parts["KV cache"] / 2**30
+            assert kv == pytest.approx(row["vllm_pool_kv_cache_gib"], rel=0.05, abs=spec.layers * 2 / 1024)
+            assert forecast.peak_bytes / 2**30 == pytest.approx(row["peak_gib"], rel=TOLERANCE), row["variant"]
+            if row["variant"] != "stock":
+                assert forecast.plan.engine.sharded and forecast.plan.engine.tp_size == config["vllm_tp"]
+                assert forecast.phases[-1].parts["weights"] == spec.weight_bytes(False) // config["vllm_tp"]
+            checked += 1
+    assert checked >= 2, checked
+
+
+def test_cli_forecasts_per_gpu_under_fsdp2_and_refuses_a_tp_size_that_does_not_fit(capsys):
+    assert cli_main(["plan", "--config", str(EXAMPLE), "--model", "llama-3.1-8b", "--gpu-gib", "80", "--host-gib",
+                     "64", "--processes", "2", "--tp", "2"]) in (0, 1)
+    assert "per GPU: FSDP2 over 2 processes, vLLM tensor-parallel size 2" in capsys.readouterr().out
+    assert cli_main(["plan", "--config", str(EXAMPLE), "--model", "llama-3.1-8b", "--gpu-gib", "80", "--processes",
+                     "2", "--tp", "4"]) == 2
+    assert "must divide the 2 processes per node" in capsys.readouterr().err
 
 
 def test_auto_picks_another_plan_on_a_smaller_gpu():

@@ -8,8 +8,11 @@ same config is forecast beside trl_turbo's, and each gets the longest completion
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +45,10 @@ class Plan:
         return render(self)
 
 
-def _grpo_fields(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _grpo_fields(values: dict[str, Any], processes: int = 1) -> tuple[Any, dict[str, Any]]:
     """A namespace with GRPOConfig's defaults overlaid by `values` (GRPOConfig is not constructed: its checks need
-    the run's hardware), and the ModelConfig values; unknown names raise ValueError."""
+    the run's hardware), and the ModelConfig values; unknown names raise ValueError. `processes` > 1: the run is
+    TRL's fsdp2.yaml over that many processes of one node (what `accelerate launch` would tell the config)."""
     from trl import GRPOConfig
 
     from ..checks import check_config
@@ -64,9 +68,27 @@ def _grpo_fields(values: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     merged = {**defaults, **{k: v for k, v in values.items() if k in defaults}}
     if merged.get("steps_per_generation") is None:
         merged["steps_per_generation"] = merged.get("gradient_accumulation_steps", 1)
-    args = types.SimpleNamespace(**merged, world_size=1)  # one process on one device
-    check_config(args, installed=False)
+    if processes < 1:
+        raise ValueError(f"trl-turbo plan: --processes must be >= 1, got {processes}")
+    layout = {} if processes == 1 else {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+    args = types.SimpleNamespace(**{**merged, **layout}, world_size=processes)
+    with _one_node_of(processes):
+        check_config(args, installed=False)
     return args, model_values
+
+
+@contextlib.contextmanager
+def _one_node_of(processes: int) -> Iterator[None]:
+    """The launcher's per-node process count, as `accelerate launch` on one node sets it, for the block."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(processes)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
 def _other_model_fields() -> set[str]:
@@ -108,16 +130,18 @@ def device_capacity_bytes(gpu_gib: float | None) -> int:
 
 def plan(config: Any = None, model: str | None = None, *, gpu_gib: float | None = None,
          host_gib: float | None = None, prompt_tokens: int = 256, completion_tokens: int | None = None,
-         **fields: Any) -> Plan:
-    """Forecast a GRPO run's device and host memory per phase, for trl_turbo and for stock TRL.
+         processes: int = 1, **fields: Any) -> Plan:
+    """Forecast a GRPO run's device and host memory per phase and per GPU, for trl_turbo and for stock TRL.
 
     `config`: a GRPOConfig, a dict or a YAML path (as `trl grpo --config` takes it, ModelConfig fields included);
     `fields` override it. `model`: a bench shape name, a local directory or config.json, or a hub id (default: the
-    config's `model_name_or_path`). `gpu_gib`/`host_gib`: the memory to plan for (default: this machine's)."""
+    config's `model_name_or_path`). `gpu_gib`/`host_gib`: the memory to plan for (default: this machine's).
+    `processes` > 1: TRL's fsdp2.yaml over that many GPUs of one node (with the config's
+    `vllm_tensor_parallel_size`)."""
     from ..host_memory import available_host_bytes
 
     values = {**_config_values(config), **fields}
-    args, model_values = _grpo_fields(values)
+    args, model_values = _grpo_fields(values, processes)
     model = model or model_values["model_name_or_path"]
     if not model:
         raise ValueError("trl-turbo plan: name a model (`--model`, or model_name_or_path in the config)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..distributed import Strategy
 from ..offload.memory_plan import describe_plan
 from ..vllm.sharing import SharingMode
 from .training import CONTEXT_BYTES
@@ -25,7 +26,7 @@ def render(plan: Any) -> str:
         f"device {turbo.capacity_bytes / _GIB:.1f} GiB, host {(turbo.host_capacity_bytes or 0) / _GIB:.1f} GiB; "
         f"micro-batch {args.per_device_train_batch_size} x ({turbo.prompt_tokens} prompt + "
         f"{turbo.completion_tokens} completion) tokens; turbo_memory_plan={turbo.plan.memory.mode.value}",
-        *_decisions(turbo.plan),
+        *_decisions(turbo.plan, int(getattr(args, "world_size", 1) or 1)),
         "",
         f"{'phase':<12}{'trl_turbo device':>18}{'host':>9}{'stock TRL device':>20}{'host':>9}   (GiB)",
     ]
@@ -62,10 +63,15 @@ def render(plan: Any) -> str:
     return "\n".join(lines)
 
 
-def _decisions(plan: Any) -> list[str]:
+def _decisions(plan: Any, processes: int = 1) -> list[str]:
     """The run plan's engine and memory decisions, as a run with this config would make them."""
     lines = []
     engine = plan.engine
+    if plan.strategy is Strategy.FSDP2:
+        tp = engine.tp_size if engine is not None else 1
+        lines.append(f"per GPU: FSDP2 over {processes} processes, vLLM tensor-parallel size {tp}"
+                     + ("; each rank's FSDP2 shards are its vLLM slices (one copy)"
+                        if engine is not None and engine.sharded else ""))
     if engine is not None and engine.sharing is not None:
         held = ("shared with the trainer" if engine.sharing.mode is SharingMode.SHARED
                 else f"a separate 16-bit copy ({'; '.join(engine.sharing.reasons)})")

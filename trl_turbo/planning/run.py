@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import MemoryPlanMode, SamplingMode, Settings
+from ..distributed import Strategy, detect_strategy
 from ..run_plan import RunPlan
 from ..run_plan import forecast as forecast_plan
 from ..vllm.engine_plan import EngineFacts
@@ -131,9 +132,10 @@ class _EngineMemory:
 
 def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_bytes: int, static_bytes: int,
                    trainable: int, quantized_4bit: bool, nested_4bit: bool, completion: int,
-                   max_num_seqs: int) -> _EngineMemory:
-    """The colocated engine's device memory: its weights beyond the trainer's, its KV cache (the automatic budget
-    with shared weights or standby at TRL's default utilization, else TRL's share of the device), its workspace."""
+                   max_num_seqs: int, tp_size: int = 1) -> _EngineMemory:
+    """The colocated engine's device memory on one GPU: its weights beyond the trainer's (a 1/`tp_size` slice under
+    tensor parallelism), its KV cache (the automatic budget with shared weights or standby at TRL's default
+    utilization, else TRL's share of the device; the rank's KV heads), its workspace."""
     shared = engine_plan is not None and engine_plan.shares_weights
     fp8 = shared and engine_plan.sampling is SamplingMode.FP8
     step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
@@ -147,7 +149,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
         if quantized_4bit and nested_4bit and not fp8:  # fp32 scales beside the shared packed bytes
             weights += spec.vllm_undone_scale_bytes()
     else:  # vLLM's own copy, its 4-bit block scales in fp32
-        weights = spec.weight_bytes(quantized_4bit, nested_4bit=False)
+        weights = spec.weight_bytes(quantized_4bit, nested_4bit=False) // tp_size
     utilization = _field(args, "vllm_gpu_memory_utilization")
     standby = engine_plan is not None and engine_plan.standby
     if not ((shared or standby) and utilization == _trl_default("vllm_gpu_memory_utilization")):
@@ -155,8 +157,8 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
         error = None if kv_cache else (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to "
                                        f"its {weights / 2**30:.1f} GiB of weights")
         return _EngineMemory(weights, kv_cache, workspace, error)
-    per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=spec.key_value_heads, head_dim=spec.head_dim,
-                                   dtype_bytes=1 if engine_plan.kv_cache_dtype.is_fp8 else 2)
+    per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=max(1, spec.key_value_heads // tp_size),
+                                   head_dim=spec.head_dim, dtype_bytes=1 if engine_plan.kv_cache_dtype.is_fp8 else 2)
     max_model_len = _field(args, "vllm_max_model_length")
     useful = useful_kv_cache_bytes(
         max_num_seqs=max_num_seqs,
@@ -186,23 +188,35 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     # full fine-tuning: fp32 master weights are not modelled; the 16-bit ones train
     adapter = 4 * spec.lora_parameters
     trainable = spec.lora_parameters or spec.parameters
+    shared = engine_plan is not None and engine_plan.shares_weights
+    # FSDP2 over `processes` GPUs: each holds 1/processes of the training state, and of the weights, which with
+    # shared weights are its vLLM tensor-parallel slice instead (1/tp); one layer is gathered whole at a time
+    processes, tp = fsdp2_layout(args)
+    gathered = 0
+    if processes > 1:
+        layer_bytes = weights // max(1, spec.layers)
+        weights = weights // tp if shared else weights // processes
+        adapter, trainable = adapter // processes, -(-trainable // processes)
+        gathered = 2 * layer_bytes  # the layer computing and the one prefetched
     optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
     static = weights + adapter
-    shared = engine_plan is not None and engine_plan.shares_weights
     standby = engine_plan is not None and engine_plan.standby
     error = None
     phases: list[Phase] = []
     engine_training = host_engine = 0
     if bool(_field(args, "use_vllm")) and _field(args, "vllm_mode") == "colocate":
-        max_num_seqs = args.per_device_train_batch_size * (_field(args, "steps_per_generation") or 1) or 256
+        # one generation: the rank's prompts and those of the other ranks of its tensor-parallel group
+        max_num_seqs = args.per_device_train_batch_size * (_field(args, "steps_per_generation") or 1) * tp or 256
         engine = _engine_memory(args, spec, engine_plan, capacity_bytes=capacity_bytes, static_bytes=static,
                                 trainable=trainable, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
-                                completion=completion, max_num_seqs=max_num_seqs)
+                                completion=completion, max_num_seqs=min(max_num_seqs, 256), tp_size=tp)
         error = engine.error
         parts = {"weights": weights, "adapter": adapter, "vLLM weights": engine.weights, "KV cache": engine.kv_cache,
                  "vLLM workspace": engine.workspace}
         phases.append(Phase("start-up", static + engine.total, 0, parts))
-        merged_host = 2 * spec.adapted_parameters if shared and engine_plan.sampling is SamplingMode.MERGED else 0
+        # merged sampling's host copy of the adapted weights: of the rank's slices under tensor parallelism
+        merged_host = (2 * spec.adapted_parameters // (tp if processes > 1 else 1)
+                       if shared and engine_plan.sampling is SamplingMode.MERGED else 0)
         phases.append(Phase("generation", static + optimizer + engine.total, merged_host,
                             {**parts, "optimizer": optimizer}))
         if standby:
@@ -212,15 +226,25 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         else:
             engine_training = engine.total
     training = _training_phase(args, spec, plan, completion=completion, prompt_tokens=prompt_tokens,
-                               capacity_bytes=capacity_bytes, static_bytes=static + optimizer + engine_training,
+                               capacity_bytes=capacity_bytes,
+                               static_bytes=static + optimizer + engine_training + gathered,
                                quantized_4bit=quantized_4bit,
                                generation_bytes=phases[-1].device_bytes if standby and phases else None)
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
-                         "vLLM resident": engine_training,
-                         "activations": training.peak_bytes - static - optimizer - engine_training}))
+                         "vLLM resident": engine_training, **({"gathered layers": gathered} if gathered else {}),
+                         "activations": training.peak_bytes - static - optimizer - engine_training - gathered}))
     return RunForecast("stock" if stock else "turbo", capacity_bytes, host_capacity_bytes, completion,
                        prompt_tokens, tuple(phases), training, error, plan)
+
+
+def fsdp2_layout(args: Any) -> tuple[int, int]:
+    """(processes FSDP2 shards the training state over, vLLM's tensor-parallel size) of the run `args` describes;
+    (1, T) for a run without FSDP2 (each process holds whole weights)."""
+    tp = int(_field(args, "vllm_tensor_parallel_size") or 1)
+    if detect_strategy(args) is not Strategy.FSDP2:
+        return 1, tp
+    return max(1, int(getattr(args, "world_size", 1) or 1)), tp
 
 
 def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, completion: int, prompt_tokens: int,

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..sharding.dtensor import whole_of
+
 # vLLM's `LoRAConfig.max_lora_rank` accepts only these values.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -49,12 +51,8 @@ def adapter_tensors(peft_model: Any, adapter_name: str = "default") -> dict[str,
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-    return {name: _whole(tensor).detach().clone() for name, tensor in state.items()}
+    return {name: whole_of(tensor).detach().clone() for name, tensor in state.items()}
 
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor (FSDP2's shard)
-    return full_tensor() if callable(full_tensor) else tensor
 
 
 def adapter_config_dict(peft_config: Any) -> dict[str, Any]:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..sharding.dtensor import local_of, whole_of
+from ..sharding.tp_layout import fsdp2_chunk
 from .host_copy import HostCopy, guard_model
 
 # fp32 scratch of one merge block: rows * in_features * 4 bytes stays under this
@@ -47,7 +49,7 @@ class LoraTarget:
     @property
     def weight(self) -> torch.Tensor:
         """The base weight this rank holds: the whole matrix, or FSDP2's shard (a slice of vLLM's TP tensor)."""
-        return _local(self.layer.get_base_layer().weight)
+        return local_of(self.layer.get_base_layer().weight)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(B [out, r], A [r, in], scaling), cut to this rank's shard of the base weight: under FSDP2 the small
@@ -60,25 +62,14 @@ class LoraTarget:
         placements = getattr(base, "placements", None)
         if placements is None:
             return b, a, scaling
-        b, a = _whole(b), _whole(a)
+        b, a = whole_of(b), whole_of(a)
         dim = placements[-1].dim
         shards = base.device_mesh.size(base.device_mesh.ndim - 1)
         index = base.device_mesh.get_local_rank(base.device_mesh.ndim - 1)
-        size = base.shape[dim]
-        chunk = -(-size // shards)
-        start, stop = min(index * chunk, size), min((index + 1) * chunk, size)
+        start, stop, _ = fsdp2_chunk(base.shape[dim], shards, index)
         return (b[start:stop], a, scaling) if dim == 0 else (b, a[:, start:stop], scaling)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its storage: writes land in it), or the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else tensor
 
 
 def lora_targets(peft_model: Any, adapter: str) -> list[LoraTarget]:
@@ -124,7 +115,7 @@ def merge_problems(peft_model: Any, adapter: str) -> list[str]:
 
 
 def _address(tensor: torch.Tensor) -> tuple[int, int]:
-    tensor = _local(tensor)
+    tensor = local_of(tensor)
     if tensor.is_meta:  # no storage to compare (a forecast's model): tied modules hold the same parameter object
         return id(tensor), 0
     return tensor.untyped_storage().data_ptr(), tensor.storage_offset() * tensor.element_size()

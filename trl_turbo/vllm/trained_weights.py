@@ -18,15 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else tensor
+from ..sharding.dtensor import local_of, whole_of
 
 
 @dataclass
@@ -49,11 +41,11 @@ class WeightCopies:
         """Refresh vLLM's copies; returns the seconds it took (device synchronised)."""
         start = time.perf_counter()
         for source, target in self.casts:
-            target.copy_(_local(source))
+            target.copy_(local_of(source))
         for name, param in self.reloads:
             if self.load is None:
                 raise RuntimeError("trl_turbo: no loader for the weights vLLM lays out itself")
-            self.load(name, _whole(param).detach())
+            self.load(name, whole_of(param).detach())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return time.perf_counter() - start

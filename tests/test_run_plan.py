@@ -131,3 +131,30 @@ def test_the_forecast_counts_the_host_copy_merged_sampling_takes_and_falls_back_
     small = forecast_run(args, every, capacity_bytes=80 * 2**30, host_capacity_bytes=2**30)
     assert small.plan.engine.sampling is SamplingMode.LORA and "host copy" in small.plan.engine.sampling_problems[0]
     assert next(phase for phase in small.phases if phase.name == "generation").host_bytes == 0
+
+
+def test_ddp_skips_the_unused_parameter_search_only_where_every_adapter_trains():
+    """A LoRA run of a listed dense family under DDP: every adapted layer runs in every forward, so DDP's search for
+    unused parameters after each backward (transformers asks for it for any PEFT model) is skipped; anything else,
+    or a value the user set, is left alone."""
+    from peft import LoraConfig
+
+    from trl_turbo.run_plan import every_parameter_trains_each_step
+    from trl_turbo.testing.models import tiny_model
+
+    llama = tiny_model("llama", vocab_size=64)
+
+    def config(world_size=2, **fields):
+        return types.SimpleNamespace(**{"ddp_find_unused_parameters": None, "world_size": world_size,
+                                        "deepspeed": None, "deepspeed_plugin": None, "fsdp": None,
+                                        "fsdp_config": None, **fields})
+
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    assert not every_parameter_trains_each_step(config(world_size=1), llama, lora)  # one process: no DDP
+    assert every_parameter_trains_each_step(config(), llama, lora)
+    assert not every_parameter_trains_each_step(config(ddp_find_unused_parameters=True), llama, lora)
+    assert not every_parameter_trains_each_step(config(), llama, None)  # full fine-tuning: transformers decides
+    assert not every_parameter_trains_each_step(config(), llama, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    assert not every_parameter_trains_each_step(config(), llama, LoraConfig(r=4, modules_to_save=["lm_head"]))
+    gpt2 = types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2"))
+    assert not every_parameter_trains_each_step(config(), gpt2, lora)  # not a listed family

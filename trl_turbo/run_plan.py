@@ -18,9 +18,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_trainer, liger_unavailable
+from .checks import check_trainer, liger_unavailable, policy_model_type
 from .config import RolloutCheckMode, Settings
 from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
+from .families import MODEL_TYPES
 from .offload.policy import MemoryPolicy, plan_memory
 from .sharding.shard_placement import unshared_adapted_weights
 from .vllm.engine_plan import (
@@ -113,7 +114,27 @@ def begin(trainer_cls: type, config: Any, model: Any, peft_config: Any,
     one): the trainer-init checks (`checks.check_trainer`) refuse what no engine or loss can serve, then the plan
     starts from the settings."""
     check_trainer(trainer_cls, config, model, peft_config, quantization_config)
+    if config is not None and every_parameter_trains_each_step(config, model, peft_config):
+        # DDP then needs no search for unused parameters after each backward (transformers turns it on for a PEFT
+        # model, whatever its adapter); read by the Trainer's constructor when it builds the accelerator
+        config.ddp_find_unused_parameters = False
     return PlanInProgress(config, Settings.of(config))
+
+
+def every_parameter_trains_each_step(config: Any, model: Any, peft_config: Any) -> bool:
+    """Whether DDP may skip its search for unused parameters: a DDP run that leaves `ddp_find_unused_parameters`
+    unset, training a LoRA adapter on the linear layers of a dense decoder family of `families` (every layer, and so
+    every adapter, runs in every forward), with no trained module copies and no adapted embeddings or LM head."""
+    if getattr(config, "ddp_find_unused_parameters", None) is not None or detect_strategy(config) is not Strategy.DDP:
+        return False
+    adapter = peft_config if peft_config is not None else getattr(model, "peft_config", {}).get("default")
+    if type(adapter).__name__ != "LoraConfig" or getattr(adapter, "modules_to_save", None):
+        return False
+    targets = adapter.target_modules
+    targets = [targets] if isinstance(targets, str) else list(targets or ())
+    if any(key in target for target in targets for key in ("embed", "lm_head", "wte")):
+        return False
+    return policy_model_type(model, config) in MODEL_TYPES
 
 
 def finish(progress: PlanInProgress, trainer: Any) -> RunPlan:

@@ -51,3 +51,44 @@ def test_a_region_that_does_not_hold_the_parameter_is_refused():
         share_trained_weights(params, regions)
     with pytest.raises(LayoutMismatch, match="not the parameter's"):
         share_trained_weights(params, {"q": torch.zeros(3, 4), "norm": regions["norm"]})
+
+
+def _train_step(model):
+    ids = torch.randint(3, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def test_a_full_finetuning_engine_holds_the_trained_parameters(monkeypatch):
+    """Through the engine glue, on vLLM's layout (stand-in): a bf16 model's parameters become views of vLLM's
+    tensors (the optimizer step lands there); fp32 masters next to a bf16 engine are cast in at each sync."""
+    import copy
+
+    from helpers import StandInVllmModel
+
+    from trl_turbo.testing.models import tiny_model
+    from trl_turbo.testing.tokenizer import VOCAB
+    from trl_turbo.vllm import engine as vllm_engine
+
+    model = tiny_model("llama", vocab_size=len(VOCAB), dtype=torch.bfloat16)
+    stand_in = StandInVllmModel(model)
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+    copies = vllm_engine.share_trained_parameters(object(), model)
+    storages = {p.untyped_storage().data_ptr() for _, p in stand_in.named_parameters()}
+    assert copies.casts == [] and all(p.untyped_storage().data_ptr() in storages for p in model.parameters())
+    _train_step(model)
+    qkv = stand_in.param("model.layers.0.self_attn.qkv_proj.base_layer.weight")
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(qkv[: q.shape[0]], q.detach())  # the update is vLLM's weight now
+
+    masters = tiny_model("llama", vocab_size=len(VOCAB), dtype=torch.float32)
+    stand_in = StandInVllmModel(copy.deepcopy(masters).to(torch.bfloat16))
+    monkeypatch.setattr(vllm_engine, "driver_model", lambda llm: stand_in)
+    copies = vllm_engine.share_trained_parameters(object(), masters)
+    assert copies.shared_bytes == 0 and len(copies.casts) == len(list(masters.parameters()))
+    _train_step(masters)
+    copies.sync()
+    qkv = stand_in.param("model.layers.0.self_attn.qkv_proj.base_layer.weight")
+    q = masters.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(qkv[: q.shape[0]], q.detach().to(torch.bfloat16))

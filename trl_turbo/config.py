@@ -186,9 +186,9 @@ class TurboFields:
     turbo_vllm_shared_weights: bool = field(
         default=False,
         metadata={
-            "help": "With a LoRA adapter and colocated vLLM, the training model's frozen base weights become views "
-            "of vLLM's, so one copy exists; models that cannot share get a separate 16-bit copy in vLLM, with a "
-            "warning. Off by default. See docs/usage.md#shared-weights."
+            "help": "Colocated vLLM and the trainer hold one copy of the weights: a LoRA run's frozen base weights "
+            "(every weight, with full fine-tuning) become views of vLLM's, per tensor-parallel slice under FSDP2. "
+            "Off by default. See docs/usage.md#shared-weights."
         },
     )
     turbo_vllm_sampling: str = field(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from typing import Any
 
@@ -29,7 +28,14 @@ from .config import (
     check_loss_type_known,
     turbo_loss_settings,
 )
-from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, local_process_count, unsupported_features
+from .distributed import (
+    CHECKPOINTING_FEATURES,
+    Strategy,
+    detect_strategy,
+    fsdp_offloads_params,
+    local_process_count,
+    unsupported_features,
+)
 from .losses import TURBO_IS_MODES, validate_loss_options
 from .vllm.adapter import adapter_problems
 from .vllm.quantized import compute_dtype_warning, quantization_config_dict
@@ -215,10 +221,11 @@ def _check_sharded_sharing(args: Any, settings: Settings) -> None:
     """Shared weights over several ranks: whole weights under DDP and ZeRO-1/2 (one engine per rank), the
     tensor-parallel slices FSDP2 shards on under FSDP2 (its shard group is the TP group)."""
     tp = args.vllm_tensor_parallel_size
-    fsdp2 = detect_strategy(args) is Strategy.FSDP2
+    strategy = detect_strategy(args)
+    fsdp2 = strategy is Strategy.FSDP2
     if tp != 1 and not fsdp2:
         raise ValueError(f"`turbo_vllm_shared_weights=True` with `vllm_tensor_parallel_size={tp}`: under "
-                         f"{detect_strategy(args).value} every rank trains on whole weights, which a tensor-parallel "
+                         f"{strategy.value} every rank trains on whole weights, which a tensor-parallel "
                          "engine does not hold. Set `vllm_tensor_parallel_size=1`, or train with FSDP2 (TRL's "
                          "fsdp2.yaml), whose shards are then vLLM's tensor-parallel slices.")
     if not fsdp2:
@@ -231,14 +238,10 @@ def _check_sharded_sharing(args: Any, settings: Settings) -> None:
     if settings.vllm_sampling is SamplingMode.FP8:
         raise ValueError("`turbo_vllm_sampling='fp8'` is not available yet when FSDP2 shards the training model; use "
                          "`turbo_vllm_sampling='merged'` or 'lora' (or 'auto', which picks one).")
-    if _truthy_env("FSDP_OFFLOAD_PARAMS"):
+    if fsdp_offloads_params():
         raise ValueError("`turbo_vllm_shared_weights=True` keeps FSDP2's shards in vLLM's device memory, which "
                          "`fsdp_offload_params: true` would move to the host; set it to false in the accelerate "
                          "config, or set `turbo_vllm_shared_weights=False`.")
-
-
-def _truthy_env(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _check_installed_vllm(settings: Settings, wanted: str) -> None:

@@ -83,6 +83,11 @@ def _fsdp_version(args: Any) -> int:
     return int((getattr(args, "fsdp_config", None) or {}).get("version", 2))  # transformers' default
 
 
+def fsdp_offloads_params() -> bool:
+    """Whether the launcher's FSDP config moves the parameters to the host (`fsdp_offload_params: true`)."""
+    return _truthy(os.environ.get("FSDP_OFFLOAD_PARAMS"))
+
+
 def detect_strategy(args: Any) -> Strategy:
     """The strategy `args` (TrainingArguments/GRPOConfig after `__post_init__`) will train with."""
     if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None or _truthy(

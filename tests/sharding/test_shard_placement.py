@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
+from trl_turbo.planning.shapes import build_config
 from trl_turbo.sharding.shard_placement import (
     ParamSpec,
     ShardPlacementFn,
@@ -17,8 +18,7 @@ from trl_turbo.sharding.shard_placement import (
 from trl_turbo.sharding.tp_layout import ModelFacts, Obstacle, TPSizeError
 from trl_turbo.testing.models import tiny_model
 
-LLAMA_8B = ModelFacts(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      intermediate_size=14336, vocab_size=128256)
+LLAMA_8B = ModelFacts.from_config(build_config("llama-3.1-8b"))  # the bench shapes are the one table of them
 
 
 def llama_specs(facts: ModelFacts, layers: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, ParamSpec]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trl_turbo.planning.shapes import build_config
 from trl_turbo.sharding.tp_layout import (
     ModelFacts,
     Obstacle,
@@ -33,10 +34,8 @@ from trl_turbo.sharding.tp_layout import (
 )
 from trl_turbo.vllm.weight_views import plan_shared_views
 
-LLAMA_8B = ModelFacts(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      intermediate_size=14336, vocab_size=128256)
-QWEN_32B = ModelFacts(hidden_size=5120, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
-                      intermediate_size=27648, vocab_size=152064)
+LLAMA_8B = ModelFacts.from_config(build_config("llama-3.1-8b"))  # the bench shapes are the one table of them
+QWEN_32B = ModelFacts.from_config(build_config("qwen2.5-32b"))
 TINY = ModelFacts(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
                   vocab_size=100)
 

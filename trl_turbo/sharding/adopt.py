@@ -23,11 +23,10 @@ import torch
 from torch import nn
 
 from ..vllm.weight_views import LayoutMismatch, hf_weight_name
-from .shard_placement import PlacementPlan, is_adapter_param
+from .shard_placement import PlacementPlan, is_adapter_param, is_peft_copy
 from .tp_layout import TPLayout
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-_PEFT_COPIES = ("original_module", "modules_to_save")
 
 
 class ShardEngine(Protocol):
@@ -59,7 +58,7 @@ def base_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """The model's parameters the engine holds, under their plain HF names: LoRA factors and PEFT's saved-module
     copies left out, tied weights once (TRL's `_iter_fsdp2_params` walks the same)."""
     for name, param in model.named_parameters():
-        if is_adapter_param(name) or any(copy in name for copy in _PEFT_COPIES):
+        if is_adapter_param(name) or is_peft_copy(name):
             continue
         for prefix in _WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
@@ -120,10 +119,10 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine) -> 
         if not isinstance(param, DTensor):
             raise LayoutMismatch(f"{hf_name} is not sharded by FSDP2 (a {type(param).__name__}); the engine's "
                                  "shards can only be shared with a model `fully_shard` has wrapped")
-        device = param.to_local().device
+        local = param.to_local()
+        device = local.device
         engine.load(hf_name, param.full_tensor())  # collective: every rank gathers the same parameter in turn
         entry = planned.get(hf_name)
-        local = param.to_local()
         if entry is None or entry.kind not in ("shared", "cast"):
             result.own_copies[hf_name] = entry.vllm_copy_bytes if entry is not None else 0
             if param.requires_grad:

@@ -111,6 +111,11 @@ def is_adapter_param(name: str) -> bool:
     return any(marker in name for marker in _ADAPTER_MARKERS)
 
 
+def is_peft_copy(name: str) -> bool:
+    """A parameter of PEFT's `modules_to_save` (the trained copy, or the original it stands in for)."""
+    return any(copy in name for copy in _PEFT_COPIES)
+
+
 def _vllm_copy_bytes(layouts: Sequence[TPLayout], spec: ParamSpec, itemsize: int) -> int:
     """What vLLM holds for this weight on a rank (the largest over the ranks), in its dtype."""
     numel = math.prod(spec.shape)
@@ -153,7 +158,7 @@ def plan_placements(params: Mapping[str, ParamSpec], facts: ModelFacts, tp_size:
         first = layouts[0]
         blocked = next((layout for layout in layouts if not layout.coincides), None)
         obstacle, detail = (blocked.obstacle, blocked.detail) if blocked else (None, "")
-        if any(copy in name for copy in _PEFT_COPIES):
+        if is_peft_copy(name):
             obstacle, detail = Obstacle.UNKNOWN, "PEFT modules_to_save: vLLM gets the trained copy, not this one"
         itemsize = (engine_dtype or spec.dtype).itemsize
         if obstacle is None and engine_dtype is not None and spec.dtype != engine_dtype:

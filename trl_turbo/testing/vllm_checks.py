@@ -53,24 +53,14 @@ def copy_mismatches(llm: Any, model: torch.nn.Module) -> list[str]:
     """The frozen HF matrices whose dequantized values are not their rows of vLLM's weights (a separate copy), or
     that vLLM lacks."""
     from trl_turbo.vllm.dequantized import dequantized_state
-    from trl_turbo.vllm.engine import (
-        driver_model,
-        engine_dtype,
-        frozen_matrix_weights,
-        hf_state_for_vllm,
-        peft_base,
-    )
-    from trl_turbo.vllm.weight_views import plan_shared_views, view_of, vllm_weight_name
+    from trl_turbo.vllm.engine import engine_dtype, frozen_matrix_weights, hf_state_for_vllm, peft_base, plan_views
+    from trl_turbo.vllm.weight_views import view_of
 
     base = peft_base(model)
     frozen = frozen_matrix_weights(base)
     expected = {name: tensor for name, tensor in dequantized_state(base, hf_state_for_vllm(base), engine_dtype(llm))
                 if name in frozen}
-    vllm_model = driver_model(llm)
-    params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
-    views = plan_shared_views({name: tuple(t.shape) for name, t in expected.items()},
-                              {name: tuple(p.shape) for name, p in params.items()},
-                              getattr(vllm_model, "packed_modules_mapping", {}))
+    _, params, views = plan_views(llm, base, weights=expected)
     differing = []
     for view in views:
         rows = view_of(params[view.vllm_name], view)

@@ -376,16 +376,24 @@ def peft_base(model: Any) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def plan_views(llm: Any, base: torch.nn.Module, fp8: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any]:
-    """(frozen HF matrices by name, vLLM's parameters by name, the views from one to the other). vLLM's fp8 weights
-    (`fp8`, name -> `Fp8Tensor`) are planned by their [out, in] rows, and 4-bit HF weights then by the matrix they
-    stand for."""
+def vllm_parameters(llm: Any) -> dict[str, torch.nn.Parameter]:
+    """vLLM's parameters by name, without the `.base_layer` its LoRA wrappers insert."""
+    from .weight_views import vllm_weight_name
+
+    return {vllm_weight_name(n): p for n, p in driver_model(llm).named_parameters(remove_duplicate=False)}
+
+
+def plan_views(llm: Any, base: torch.nn.Module, fp8: Mapping[str, Any] | None = None,
+               weights: Mapping[str, torch.Tensor] | None = None) -> tuple[Any, Any, Any]:
+    """(the HF weights by name, vLLM's parameters by name, the views from one to the other). `weights`: by default
+    the frozen matrices of `base`. vLLM's fp8 weights (`fp8`, name -> `Fp8Tensor`) are planned by their [out, in]
+    rows, and 4-bit HF weights then by the matrix they stand for."""
     from .dequantized import dequantized_shape
-    from .weight_views import plan_shared_views, vllm_weight_name
+    from .weight_views import plan_shared_views
 
     vllm_model = driver_model(llm)
-    frozen = frozen_matrix_weights(base)
-    vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
+    frozen = frozen_matrix_weights(base) if weights is None else weights
+    vllm_params = vllm_parameters(llm)
     shapes = {name: tuple(p.shape) for name, p in vllm_params.items()}
     for name, tensor in (fp8 or {}).items():
         shapes[name] = tuple(tensor.rows.shape)
@@ -529,17 +537,13 @@ def share_trained_parameters(llm: Any, model: torch.nn.Module, training_device: 
     """Full fine-tuning: load every parameter into vLLM, then make each one a view of its vLLM region where the
     dtypes match (else it is cast there at each sync). Returns the `WeightCopies` a sync runs."""
     from .trained_weights import share_trained_weights
-    from .weight_views import hf_weight_name, plan_shared_views, view_of, vllm_weight_name
+    from .weight_views import hf_weight_name, view_of
 
-    vllm_model = driver_model(llm)
-    params = [(hf_weight_name(name), param) for name, param in model.named_parameters()]
-    vllm_params = {vllm_weight_name(n): p for n, p in vllm_model.named_parameters(remove_duplicate=False)}
-    views = plan_shared_views({name: tuple(p.shape) for name, p in params},
-                              {name: tuple(p.shape) for name, p in vllm_params.items()},
-                              getattr(vllm_model, "packed_modules_mapping", {}))
+    params = {hf_weight_name(name): param for name, param in model.named_parameters()}
+    _, vllm_params, views = plan_views(llm, model, weights=params)
     load_weights(llm, hf_state_for_vllm(model))
     regions = {view.hf_name: view_of(vllm_params[view.vllm_name], view) for view in views}
-    copies = share_trained_weights(params, regions, device=training_device)
+    copies = share_trained_weights(list(params.items()), regions, device=training_device)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return copies

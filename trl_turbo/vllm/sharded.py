@@ -28,7 +28,7 @@ from ..sharding.tp_layout import TPLayout
 from . import engine as vllm_engine
 from .merge import MergedSampling
 from .trained_weights import WeightCopies
-from .weight_views import LayoutMismatch, hf_weight_name, vllm_weight_name
+from .weight_views import LayoutMismatch, hf_weight_name
 
 PENDING_ATTRIBUTE = "_trl_turbo_sharded_share"  # on the policy model, from engine start until FSDP2 wraps it
 
@@ -42,8 +42,7 @@ class VllmShardEngine:
 
         self.llm = llm
         self.tp_rank = get_tensor_model_parallel_rank()
-        model = vllm_engine.driver_model(llm)
-        self.params = {vllm_weight_name(name): param for name, param in model.named_parameters(remove_duplicate=False)}
+        self.params = vllm_engine.vllm_parameters(llm)
 
     def load(self, hf_name: str, full: torch.Tensor) -> None:
         vllm_engine.load_weights(self.llm, [(hf_name, full)])
@@ -118,11 +117,11 @@ class ShardedShare:
         """Fill the engine from the sharded model and adopt its slices as FSDP2's shards (collective)."""
         if self.placement is None:
             raise RuntimeError("trl_turbo: FSDP2 wrapped the policy model without trl_turbo's shard placement")
-        result = share_shards(model, self.placement.plan, self.engine())
+        engine = self.engine()
+        result = share_shards(model, self.placement.plan, engine)
         self.result = result
         self.state.shared_bytes = result.shared_bytes
         if result.casts or result.reloads:  # trained parameters vLLM keeps a copy of: refreshed at each sync
-            engine = self.engine()
             self.state.weight_copies = WeightCopies(casts=result.casts, reloads=result.reloads, load=engine.load,
                                                     shared_bytes=result.shared_bytes)
         if self.merged:

@@ -215,8 +215,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                  "vLLM workspace": engine.workspace}
         phases.append(Phase("start-up", static + engine.total, 0, parts))
         # merged sampling's host copy of the adapted weights: of the rank's slices under tensor parallelism
-        merged_host = (2 * spec.adapted_parameters // (tp if processes > 1 else 1)
-                       if shared and engine_plan.sampling is SamplingMode.MERGED else 0)
+        merged_host = 2 * spec.adapted_parameters // tp if shared and engine_plan.sampling is SamplingMode.MERGED else 0
         phases.append(Phase("generation", static + optimizer + engine.total, merged_host,
                             {**parts, "optimizer": optimizer}))
         if standby:

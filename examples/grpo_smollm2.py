@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import time
 import warnings
-from collections.abc import Sequence
-from typing import Any
 
 # Before torch starts its OpenMP threads: idle threads sleep instead of spinning, which keeps CPU training fast on a
 # machine whose cores other processes share (spinning threads there made steps several times slower).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import datasets  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from peft import LoraConfig  # noqa: E402
@@ -40,11 +36,7 @@ from transformers import AutoTokenizer, ProgressCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import trl_turbo  # noqa: E402, F401  (patches TRL's GRPOTrainer on import)
-from trl_turbo.tasks import arithmetic, smollm2  # noqa: E402
-
-SYSTEM = "You are a calculator. Reply with the result only."
-HELD_OUT = 200
-MAX_COMPLETION = 16
+from trl_turbo.tasks import addition, smollm2  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,43 +47,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm", action="store_true", help="GPU: generate with a colocated vLLM engine")
     parser.add_argument("--seed", type=int, default=0, help="training seed (LoRA init and sampling); the problems stay")
     return parser.parse_args()
-
-
-def addition_problems() -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Train and held-out sums from the arithmetic task's generator (disjoint: it never repeats a problem)."""
-    sums = [p for p in arithmetic.generate_problems(3000, arithmetic.SEED) if "+" in p["question"]]
-    rows = [{"prompt": [{"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": p["question"].replace("+", " + ")}],
-             "answer": p["answer"]} for p in sums]
-    return datasets.Dataset.from_list(rows[HELD_OUT:]), datasets.Dataset.from_list(rows[:HELD_OUT])
-
-
-def last_integer(text: str) -> str | None:
-    numbers = re.findall(r"-?\d+", text)
-    return numbers[-1] if numbers else None
-
-
-def accuracy_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str],
-                    **kwargs: Any) -> list[float]:
-    """1.0 when the reply's last integer is the answer, else 0.0."""
-    return [float(last_integer(arithmetic.completion_text(c)) == a) for c, a in zip(completions, answer)]
-
-
-@torch.no_grad()
-def held_out_accuracy(model: torch.nn.Module, tokenizer: Any, problems: datasets.Dataset, batch: int = 50) -> float:
-    """Greedy-decoded accuracy on `problems`."""
-    model.eval()
-    tokenizer.padding_side = "left"
-    correct = 0
-    for start in range(0, len(problems), batch):
-        rows = problems[start:start + batch]
-        inputs = tokenizer.apply_chat_template(rows["prompt"], add_generation_prompt=True, padding=True,
-                                               return_tensors="pt", return_dict=True).to(model.device)
-        output = model.generate(**inputs, max_new_tokens=MAX_COMPLETION, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
-        replies = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(last_integer(reply) == answer for reply, answer in zip(replies, rows["answer"]))
-    return correct / len(problems)
 
 
 class TableProgress(ProgressCallback):
@@ -125,7 +80,7 @@ def main() -> None:
     if args.vllm and not gpu:
         raise SystemExit("--vllm needs a CUDA GPU")
     model = args.model or str(smollm2.checkpoint_dir())
-    train, held_out = addition_problems()
+    train, held_out = addition.problems()
     vllm_args = dict(use_vllm=True, vllm_mode="colocate", turbo_vllm_shared_weights=True, turbo_vllm_standby=True,
                      vllm_max_model_length=128) if args.vllm else {}
     config = GRPOConfig(
@@ -135,7 +90,7 @@ def main() -> None:
         per_device_train_batch_size=16,
         num_generations=8,
         temperature=0.5,
-        max_completion_length=MAX_COMPLETION,
+        max_completion_length=addition.MAX_COMPLETION,
         beta=0.0,
         gradient_checkpointing=gpu,
         bf16=gpu,
@@ -150,7 +105,7 @@ def main() -> None:
     trainer = GRPOTrainer(
         model=model,
         processing_class=AutoTokenizer.from_pretrained(model),
-        reward_funcs=accuracy_reward,
+        reward_funcs=addition.accuracy_reward,
         args=config,
         train_dataset=train,
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
@@ -159,12 +114,11 @@ def main() -> None:
     trainer.add_callback(TableProgress())
 
     print(f"held-out accuracy before training ({len(held_out)} sums, greedy): ", end="", flush=True)
-    before = held_out_accuracy(trainer.model, trainer.processing_class, held_out)
+    before = addition.held_out_accuracy(trainer.model, trainer.processing_class, held_out)
     print(f"{before:.1%}")
     trainer.train()
-    after = held_out_accuracy(trainer.model, trainer.processing_class, held_out)
-    # Binomial standard error of the difference of two accuracies on the set (as if independent: conservative)
-    noise = ((before * (1 - before) + after * (1 - after)) / len(held_out)) ** 0.5
+    after = addition.held_out_accuracy(trainer.model, trainer.processing_class, held_out)
+    noise = addition.difference_noise(before, after, len(held_out))
     print(f"held-out accuracy ({len(held_out)} sums, greedy): {before:.1%} -> {after:.1%} "
           f"({(after - before) * 100:+.1f} points; standard error of the difference: {noise * 100:.1f} points)")
     trainer.save_model(args.output_dir)

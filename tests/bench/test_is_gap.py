@@ -19,20 +19,27 @@ def test_sequence_modes_count_the_completions_the_loss_masks() -> None:
     stats = is_statistics(rows, clip_min=None, clip_max=3.0, prefixes=(2, 4))
     full = stats["by_prefix"]["4"]
     assert full["completions"] == 3
-    assert full["changed_fraction"]["sequence_mask"] == pytest.approx(1 / 3)
-    assert full["changed_fraction"]["sequence_truncate"] == pytest.approx(1 / 3)
+    assert full["modes"]["sequence_mask"]["changed"] == pytest.approx(1 / 3)
+    assert full["modes"]["sequence_truncate"]["changed"] == pytest.approx(1 / 3)
     # geometric means 0.1, (log 3 + 0.25)/4, -0.5: none above log 3
-    assert full["changed_fraction"]["sequence_geometric_mask"] == 0.0
+    assert full["modes"]["sequence_geometric_mask"]["changed"] == 0.0
     # one token of 12 has a ratio above 3
-    assert full["changed_fraction"]["token_mask"] == pytest.approx(1 / 12)
+    assert full["modes"]["token_mask"]["changed"] == pytest.approx(1 / 12)
     # prefix 2: sums 0.2, log 3 + 0.25, -1.0
-    assert stats["by_prefix"]["2"]["changed_fraction"]["sequence_mask"] == pytest.approx(1 / 3)
+    assert stats["by_prefix"]["2"]["modes"]["sequence_mask"]["changed"] == pytest.approx(1 / 3)
     assert stats["by_prefix"]["2"]["sequence_log_ratio_quantiles"]["q0.5"] == pytest.approx(0.2)
     # the loss's own verdict on the padded batch
     batch = torch.stack(rows).double()
     applied = losses.vllm_importance_sampling_ratio(batch, torch.zeros_like(batch), torch.ones_like(batch),
                                                     "sequence_mask", None, 3.0)
-    assert (applied == 0).float().mean().item() == pytest.approx(full["changed_fraction"]["sequence_mask"])
+    assert (applied == 0).float().mean().item() == pytest.approx(full["modes"]["sequence_mask"]["changed"])
+    # weights 0.4 -> e^0.4, masked -> 0, e^-2: their effective sample size and the share below 0.1
+    weights = torch.tensor([math.exp(0.4), 0.0, math.exp(-2.0)], dtype=torch.float64)
+    assert full["modes"]["sequence_mask"]["ess_fraction"] == pytest.approx(
+        float(weights.sum() ** 2 / (3 * (weights**2).sum())))
+    assert full["modes"]["sequence_mask"]["negligible"] == pytest.approx(1 / 3)  # the masked one (e^-2 = 0.135)
+    assert full["modes"]["sequence_truncate"]["mean_weight"] == pytest.approx(
+        float((math.exp(0.4) + 3.0 + math.exp(-2.0)) / 3))
 
 
 def test_token_modes_count_tokens_and_a_lower_bound_counts_too() -> None:
@@ -40,7 +47,7 @@ def test_token_modes_count_tokens_and_a_lower_bound_counts_too() -> None:
     stats = is_statistics(rows, clip_min=0.1, clip_max=3.0, prefixes=(2,))
     assert stats["tokens"] == 5 and stats["completions"] == 2
     # the prefix of 2 keeps tokens 2.0, 0.0 | 0.0, 0.0: one of four above log 3
-    assert stats["by_prefix"]["2"]["changed_fraction"]["token_truncate"] == pytest.approx(0.25)
+    assert stats["by_prefix"]["2"]["modes"]["token_truncate"]["changed"] == pytest.approx(0.25)
     assert stats["mean_abs_log_ratio"] == pytest.approx(1.0)
     tokens = torch.tensor([2.0, 0.0, -3.0, 0.0, 0.0], dtype=torch.float64)
     assert stats["k3_kl"] == pytest.approx(float((tokens.exp() - tokens - 1).mean()))

@@ -58,16 +58,23 @@ def _padded(log_ratios: list[torch.Tensor], length: int) -> tuple[torch.Tensor, 
     return values, torch.ones_like(values)
 
 
-def _changed_fraction(log_ratios: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None,
-                      clip_max: float | None) -> float:
-    """The share of a mode's units (tokens, or completions) whose ratio the mode masks or truncates: trl_turbo's
-    implementation of TRL's IS modes (`losses`) applied to these log-ratios, compared with the raw ratio."""
+def mode_effect(log_ratios: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: float | None,
+                clip_max: float | None) -> dict[str, float]:
+    """What a mode does to its units (tokens, or completions): trl_turbo's implementation of TRL's IS modes
+    (`losses`) applied to these log-ratios. ``changed``: the share it masks or truncates; ``mean_weight``: the mean
+    weight it gives; ``ess_fraction``: the effective sample size of those weights, (Σw)² / (n Σw²), as a share of
+    the units (1: every unit counts fully); ``negligible``: the share weighted below 0.1, as good as dropped."""
     sampler = torch.zeros_like(log_ratios)
     raw = losses.raw_importance_sampling_ratio(log_ratios, sampler, mask, mode)
     applied = losses.vllm_importance_sampling_ratio(log_ratios, sampler, mask, mode, clip_min, clip_max)
-    changed = applied != raw
-    units = changed[mask.bool()] if mode.startswith("token") else changed.flatten()
-    return float(units.double().mean()) if units.numel() else 0.0
+    units = mask.bool() if mode.startswith("token") else torch.ones_like(applied, dtype=torch.bool)
+    weights, changed = applied[units], (applied != raw)[units]
+    if not weights.numel():
+        return {}
+    squares = (weights * weights).sum()
+    return {"changed": float(changed.double().mean()), "mean_weight": float(weights.mean()),
+            "ess_fraction": float(weights.sum() ** 2 / (weights.numel() * squares)) if squares > 0 else 0.0,
+            "negligible": float((weights < 0.1).double().mean())}
 
 
 def is_statistics(log_ratios: list[torch.Tensor], clip_min: float | None = None, clip_max: float | None = 3.0,
@@ -77,7 +84,7 @@ def is_statistics(log_ratios: list[torch.Tensor], clip_min: float | None = None,
     ``log_ratios``: one 1-D tensor per completion, its tokens' log(π_trainer/π_sampler) in order. Returns the token
     ratios' quantiles, the mean |log-ratio| and the k3 KL estimate per token; and per prefix length L (over the
     completions at least L tokens long): the quantiles of the sequence log-ratio (sum over L tokens) and, per mode,
-    the share of its units (tokens or completions) it masks or truncates at [clip_min, clip_max].
+    what it does to its units at [clip_min, clip_max] (:func:`mode_effect`).
     """
     tokens = torch.cat([r.double() for r in log_ratios]) if log_ratios else torch.zeros(0, dtype=torch.float64)
     stats: dict[str, Any] = {
@@ -98,8 +105,7 @@ def is_statistics(log_ratios: list[torch.Tensor], clip_min: float | None = None,
             "completions": values.shape[0],
             "sequence_log_ratio_quantiles": _quantiles(values.sum(-1)),
             "geometric_log_ratio_quantiles": _quantiles(values.mean(-1)),
-            "changed_fraction": {mode: _changed_fraction(values, mask, mode, clip_min, clip_max)
-                                 for mode in losses.IS_MODES},
+            "modes": {mode: mode_effect(values, mask, mode, clip_min, clip_max) for mode in losses.IS_MODES},
         }
     stats["by_prefix"] = by_prefix
     return stats
@@ -165,13 +171,14 @@ def format_row(row: dict[str, Any]) -> str:
     if not row.get("ok"):
         return f"{row.get('name')}: FAILED {str(row.get('error'))[-1500:]}"
     stats = row["statistics"]
-    prefixes = "; ".join(f"L={length}: sequence_mask {p['changed_fraction']['sequence_mask']:.1%}, "
-                         f"sequence_geometric_mask {p['changed_fraction']['sequence_geometric_mask']:.1%}, "
-                         f"token_truncate {p['changed_fraction']['token_truncate']:.3%}"
-                         for length, p in stats["by_prefix"].items())
+    prefixes = "; ".join(
+        f"L={length}: " + ", ".join(f"{mode} {p['modes'][mode]['changed']:.1%} changed, ESS "
+                                    f"{p['modes'][mode]['ess_fraction']:.0%}"
+                                    for mode in ("sequence_mask", "sequence_geometric_mask", "token_truncate"))
+        for length, p in stats["by_prefix"].items())
     return (f"{row['name']}: {stats['completions']} completions, "
             f"mean |log r| {stats.get('mean_abs_log_ratio', 0):.4f}, "
-            f"k3 KL {stats.get('k3_kl', 0):.2e}; masked or truncated: {prefixes}")
+            f"k3 KL {stats.get('k3_kl', 0):.2e}; {prefixes}")
 
 
 def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:

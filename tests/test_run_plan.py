@@ -41,7 +41,7 @@ ENGINE_CASES = {
     "merged": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True},
     "lora": {"turbo_vllm_shared_weights": True, "turbo_vllm_sampling": "lora"},
     "fp8": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "fp8",
-            "turbo_vllm_kv_cache_dtype": "fp8"},
+            "turbo_vllm_kv_cache_dtype": "fp8", "vllm_importance_sampling_mode": "token_truncate"},
 }
 
 

@@ -36,7 +36,7 @@ from .distributed import (
     local_process_count,
     unsupported_features,
 )
-from .losses import TURBO_IS_MODES, validate_loss_options
+from .losses import PRODUCT_IS_MODES, TURBO_IS_MODES, validate_loss_options
 from .vllm.adapter import adapter_problems
 from .vllm.quantized import compute_dtype_warning, quantization_config_dict
 from .vllm.sharing import copy_reasons, fallback_warning
@@ -191,6 +191,14 @@ def _check_vllm(args: Any, settings: Settings, installed: bool) -> None:
     if settings.vllm_sampling is not SamplingMode.AUTO and not settings.vllm_shared_weights:
         raise ValueError(f"`turbo_vllm_sampling={settings.vllm_sampling.value!r}` chooses how the shared-weight "
                          "engine samples; set `turbo_vllm_shared_weights=True` with it, or leave it at 'auto'.")
+    if settings.vllm_sampling is SamplingMode.FP8 and args.vllm_importance_sampling_mode in PRODUCT_IS_MODES:
+        mode = args.vllm_importance_sampling_mode
+        raise ValueError(f"`turbo_vllm_sampling='fp8'` with `vllm_importance_sampling_mode={mode!r}`"
+                         f"{' (TRL default)' if mode == 'sequence_mask' else ''} weighs each completion by the product "
+                         "of its tokens' sampler/trainer ratios, which the fp8 policy's gap drives to almost zero for "
+                         "all but a few completions of a batch. Set `vllm_importance_sampling_mode='token_truncate'` "
+                         "(or 'sequence_geometric_mask'), or use `turbo_vllm_sampling='merged'`. "
+                         "See docs/usage.md#fp8-and-importance-sampling.")
     memory_features = [name for name, on in (("turbo_vllm_shared_weights", settings.vllm_shared_weights),
                                              ("turbo_vllm_standby", settings.vllm_standby)) if on]
     engine_features = memory_features + (["turbo_vllm_kv_cache_dtype"] if settings.vllm_kv_cache_dtype.is_fp8

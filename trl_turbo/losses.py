@@ -71,6 +71,8 @@ TRL_IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_trunc
 # IS modes TRL's generation-time code does not know: the ratio is computed only in trl_turbo's loss.
 TURBO_IS_MODES: tuple[str, ...] = ("sequence_geometric_truncate", "sequence_geometric_mask")
 IS_MODES: tuple[str, ...] = TRL_IS_MODES + TURBO_IS_MODES
+# IS modes whose weight is the product of every token's ratio: it shrinks like exp(-length x KL(sampler || trainer)).
+PRODUCT_IS_MODES: tuple[str, ...] = ("sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True)

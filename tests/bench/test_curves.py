@@ -36,8 +36,8 @@ if spec["name"] == "hang":
     time.sleep(60)
 if spec["name"] == "crash":
     sys.exit(3)
-json.dump({"ok": True, "gpu_seen": os.environ["CUDA_VISIBLE_DEVICES"], "value": spec["value"]},
-          open(spec["row_path"], "w"))
+json.dump({"ok": True, "gpu_seen": os.environ["CUDA_VISIBLE_DEVICES"], "port": os.environ["MASTER_PORT"],
+           "value": spec["value"]}, open(spec["row_path"], "w"))
 """
 
 
@@ -48,8 +48,37 @@ def test_jobs_are_spread_over_gpus_and_failures_are_rows(tmp_path, monkeypatch) 
              {"name": "hang", "value": 4}]
     rows = gpu_children.run_jobs("fake_child", specs, ["0", "1"], timeout_s=10)
     assert [row["name"] for row in rows] == ["a", "b", "crash", "hang"]
-    assert rows[0] == {"name": "a", "gpu": "0", "ok": True, "gpu_seen": "0", "value": 1}
+    assert {key: rows[0][key] for key in ("name", "gpu", "ok", "gpu_seen", "value")} == {
+        "name": "a", "gpu": "0", "ok": True, "gpu_seen": "0", "value": 1}
     assert rows[1]["gpu_seen"] == "1" and rows[1]["value"] == 2
+    assert rows[0]["port"] != rows[1]["port"]  # concurrent children: one rendezvous port each
     assert not rows[2]["ok"] and "exited with 3" in rows[2]["error"]
     assert not rows[3]["ok"] and "timed out after 10 s" in rows[3]["error"]
     json.dumps(rows)  # rows go into the results file as they are
+
+
+def test_one_queue_per_gpu() -> None:
+    with pytest.raises(SystemExit, match="each GPU once"):
+        gpu_children.run_jobs("fake_child", [{"name": "a"}], ["0", "0"], timeout_s=10)
+
+
+@pytest.mark.parametrize(("module", "variant", "patched"), [("curves", "stock", False), ("curves", "turbo", True),
+                                                           ("is_gap", "stock", False), ("is_gap", "turbo-fp8", True)])
+def test_a_job_runs_stock_unpatched(module, variant, patched, monkeypatch) -> None:
+    """Importing the bench patches TRL (it imports trl_turbo); a stock job must switch the patches off first."""
+    import importlib
+
+    bench = importlib.import_module(f"trl_turbo.bench.{module}")
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def record(enabled: bool) -> None:
+        calls.append(enabled)
+        raise Stop
+
+    monkeypatch.setattr(bench, "set_patched", record)
+    with pytest.raises(Stop):
+        bench.run_job({"variant": variant})
+    assert calls == [patched]

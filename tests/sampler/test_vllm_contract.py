@@ -320,7 +320,8 @@ def test_fp8_sampling_is_refused_where_the_vllm_cannot_serve_it(tmp_path, monkey
             warnings.simplefilter("ignore")
             assert rollout_check(Settings.of(_grpo_config(turbo_vllm_shared_weights=True))) == "error"
             with pytest.raises(ValueError, match=r"turbo_vllm_sampling='fp8'.*cannot run on this vLLM.*fp8_per_tensor"):
-                _grpo_config(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8")
+                _grpo_config(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
+                             vllm_importance_sampling_mode="token_truncate")
     finally:
         vllm_contract._installed_verdict.cache_clear()
 

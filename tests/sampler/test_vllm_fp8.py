@@ -183,8 +183,14 @@ def test_fp8_needs_importance_sampling_and_shared_weights(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="turbo_vllm_shared_weights=True"):
         GRPOConfig(**common, turbo_vllm_sampling="fp8")
     as_if_vllm_installed(monkeypatch)
-    config = GRPOConfig(**common, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8")
-    assert config.turbo_vllm_sampling == "fp8"
+    for product_mode in ("sequence_mask", "sequence_truncate"):  # sequence_mask is TRL's default
+        with pytest.raises(ValueError, match=f"vllm_importance_sampling_mode='{product_mode}'.*token_truncate"):
+            GRPOConfig(**common, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
+                       vllm_importance_sampling_mode=product_mode)
+    for mode in ("token_truncate", "token_mask", "sequence_geometric_mask", "sequence_geometric_truncate"):
+        config = GRPOConfig(**common, turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
+                            vllm_importance_sampling_mode=mode)
+        assert config.turbo_vllm_sampling == "fp8"
 
 
 def test_trainer_inputs_without_an_fp8_gpu_are_refused_before_loading(monkeypatch):

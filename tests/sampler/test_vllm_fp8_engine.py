@@ -25,7 +25,8 @@ STEPS = 50
 def run(tmp_path_factory):
     trainer = vllm_checks.build_trainer("llama", tmp_path_factory.mktemp("tiny-llama-fp8"), steps=STEPS,
                                         completion_cap=CAP, turbo_vllm_sampling="fp8",
-                                        turbo_vllm_kv_cache_dtype="fp8")
+                                        turbo_vllm_kv_cache_dtype="fp8",
+                                        vllm_importance_sampling_mode="token_truncate")
     state = engine_state(trainer.vllm_generation)
     result = {"trainer": trainer, "sampling": vllm_checks.sampling_mode(trainer), "state": state}
     result.update(vllm_checks.train_recording(trainer))

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import set_patched
 from .e2e import VARIANT_CONFIG
 from .gpu_children import run_jobs, write_row_and_exit
 from .results import DEFAULT_RESULTS_DIR
@@ -121,7 +122,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     fig, (reward_ax, accuracy_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     colours = {"stock": "C0", "turbo": "C1", "turbo-fp8": "C2"}
     for row in (r for r in rows if r.get("ok")):
-        style = {"color": colours[row["variant"]], "linewidth": 1.0 if row["variant"] == "stock" else 1.8,
+        style = {"color": colours.get(row["variant"], "C3"), "linewidth": 1.0 if row["variant"] == "stock" else 1.8,
                  "linestyle": "-" if row["seed"] == 0 else "--", "label": row["name"]}
         rewards = [entry.get("reward") for entry in row["log"]]
         smooth = [tail_mean(rewards[:index + 1], SMOOTHING_STEPS) for index in range(len(rewards))]
@@ -163,8 +164,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one variant with one seed; the row holds TRL's log of every step and the held-out accuracy curve."""
     start = time.perf_counter()
-    if spec["variant"] != "stock":
-        import trl_turbo  # noqa: F401  (patches TRL on import)
+    set_patched(spec["variant"] != "stock")  # this module's import patched TRL; stock runs unpatched
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer

@@ -53,7 +53,7 @@ VARIANT_CONFIG: dict[str, dict[str, Any]] = {
     "turbo-lora": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "lora"},
     "turbo-min": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_memory_plan": "min"},
     "turbo-fp8": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True, "turbo_vllm_sampling": "fp8",
-                  "turbo_vllm_kv_cache_dtype": "fp8"},
+                  "turbo_vllm_kv_cache_dtype": "fp8", "vllm_importance_sampling_mode": "token_truncate"},
 }
 # Named workloads: `anchor` is the shape every earlier e2e file measured (one prompt's group per step); `realistic`
 # is a GRPO batch as users run it: 8 prompts x 8 generations of 2048 tokens per step, trained in micro-batches of 16.

@@ -24,14 +24,15 @@ from typing import Any
 import torch
 
 from .. import losses
+from . import set_patched
 from .e2e import VARIANT_CONFIG
 from .gpu_children import run_jobs, write_row_and_exit
 from .results import DEFAULT_RESULTS_DIR
 
 VARIANTS = ("stock", "turbo", "turbo-fp8", "turbo-fp8-bf16-kv")
 # fp8 weights with the model's own KV dtype: tells the fp8 weights' share of the gap from the fp8 KV cache's
-_EXTRA_VARIANTS = {"turbo-fp8-bf16-kv": {"turbo_vllm_shared_weights": True, "turbo_vllm_standby": True,
-                                         "turbo_vllm_sampling": "fp8"}}
+_EXTRA_VARIANTS = {"turbo-fp8-bf16-kv": {key: value for key, value in VARIANT_CONFIG["turbo-fp8"].items()
+                                         if key != "turbo_vllm_kv_cache_dtype"}}
 TOPICS = ("the history of the printing press", "how bridges are built", "the water cycle", "the life of bees",
           "the invention of the telephone", "why the sky is blue", "the Roman Empire", "how computers store numbers",
           "the migration of birds", "volcanoes", "the first moon landing", "how bread is made",
@@ -237,8 +238,7 @@ def distinct_words_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
-    if spec["variant"] != "stock":
-        import trl_turbo  # noqa: F401  (patches TRL on import)
+    set_patched(spec["variant"] != "stock")  # this module's import patched TRL; stock runs unpatched
     import datasets
     from peft import LoraConfig
     from transformers import AutoTokenizer

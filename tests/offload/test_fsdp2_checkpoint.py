@@ -1,0 +1,114 @@
+"""Two CPU processes (gloo): trl_turbo's checkpoint function (with its offloader) and the tiled MLP inside decoder
+layers that FSDP2 shards, installed as a run installs them (before accelerate wraps the model), against FSDP2 with
+transformers' own checkpointing.
+
+From transformers 5.23 a layer checkpoints its `forward`, inside FSDP2's hooks, so FSDP2 has gathered the layer's
+parameters when trl_turbo's function is called and gathers them again (its pre-backward hook) before the recompute.
+Checked per rank after one forward and backward of a LoRA model: the checkpoint function's gradients (FSDP2's
+reduce-scattered shards, gathered whole) equal transformers' checkpointing bitwise, the tiled MLP's within float
+reassociation, with the same number of all-gathers, and the offloader moved the saved layer inputs. (A run under
+FSDP2 keeps both features off until they are checked on GPUs: `distributed.FEATURE_STRATEGIES`.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+from packaging.version import Version
+
+from trl_turbo import versions
+from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from peft import LoraConfig, get_peft_model
+
+    import trl_turbo  # noqa: F401
+    from trl_turbo.offload.checkpoint import CheckpointOffloader
+    from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
+    from trl_turbo.testing.models import tiny_model
+    from trl_turbo.testing.multi_gpu import end_process_group
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gathers = [0]
+    unshard = param_group.FSDPParamGroup.unshard
+
+    def counting_unshard(self, *args, **kwargs):
+        if not self.is_unsharded:
+            gathers[0] += 1
+        return unshard(self, *args, **kwargs)
+
+    param_group.FSDPParamGroup.unshard = counting_unshard
+
+
+    def step(variant):
+        model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=3, intermediate_size=64, seed=0)
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base = model.base_model.model
+        offloader = None
+        if variant != "transformers":
+            offloader = CheckpointOffloader(1 << 30, min_bytes=0)
+            install_runtime(base, CheckpointingRuntime(offloader, None))
+        if variant == "tiled":
+            install_tiled_mlp(base, tile_tokens=8)
+        for layer in base.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.train()
+        torch.manual_seed(1 + rank)
+        ids = torch.randint(4, 64, (2, 24))
+        gathers[0] = 0
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
+        moved = offloader.take_stats().offloaded_bytes if offloader is not None else 0
+        return loss.item(), grads, gathers[0], moved
+
+
+    results = {variant: step(variant) for variant in ("transformers", "turbo", "tiled")}
+    reference = results["transformers"][1]
+    report = {"loss": {v: r[0] for v, r in results.items()}, "gathers": {v: r[2] for v, r in results.items()},
+              "offloaded_bytes": {v: r[3] for v, r in results.items()}, "trainable": len(reference)}
+    for variant in ("turbo", "tiled"):
+        grads = results[variant][1]
+        report[f"{variant}_missing"] = sorted(set(reference) - {n for n, g in grads.items() if g is not None})
+        report[f"{variant}_max_abs"] = max(float((grads[n] - reference[n]).abs().max()) for n in reference)
+        report[f"{variant}_max_rel"] = max(float((grads[n] - reference[n]).norm() / reference[n].norm())
+                                           for n in reference)
+    with open(sys.argv[1] + f".{rank}", "w") as handle:
+        json.dump(report, handle)
+    end_process_group()
+    """
+)
+
+
+@pytest.mark.skipif(Version(versions.installed_version("transformers")) < Version("5.23"),
+                    reason="transformers before 5.23 checkpoints a layer's __call__, with FSDP2's hooks inside")
+def test_checkpoint_function_and_tiled_mlp_inside_fsdp2_layers(tmp_path):
+    script = tmp_path / "fsdp2_checkpoint.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               str(tmp_path / "report.json")]
+    result = run_launch(command, cwd=tmp_path, timeout=600, env=fresh_rendezvous_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"report.json.{rank}").read_text())
+        assert report["trainable"] == 3 * 7 * 2  # LoRA A and B on 7 projections of 3 layers
+        assert report["turbo_missing"] == report["tiled_missing"] == []
+        assert report["loss"]["turbo"] == report["loss"]["transformers"]
+        assert report["turbo_max_abs"] == 0.0  # the same arithmetic: bitwise
+        assert report["tiled_max_rel"] < 1e-5  # per-tile sums, fp32
+        assert report["gathers"]["turbo"] == report["gathers"]["tiled"] == report["gathers"]["transformers"]
+        assert report["offloaded_bytes"]["turbo"] > 0 and report["offloaded_bytes"]["tiled"] > 0

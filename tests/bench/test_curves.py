@@ -82,3 +82,13 @@ def test_a_job_runs_stock_unpatched(module, variant, patched, monkeypatch) -> No
     with pytest.raises(Stop):
         bench.run_job({"variant": variant})
     assert calls == [patched]
+
+
+def test_the_plot_draws_every_completed_job(tmp_path) -> None:
+    from trl_turbo.bench.curves import plot
+
+    rows = [{"ok": True, "variant": variant, "seed": seed, "name": f"{variant}:{seed}",
+             "log": [{"reward": 0.1 * step} for step in range(1, 6)], "accuracy": [(0, 0.3), (5, 0.5)]}
+            for variant, seed in (("stock", 0), ("stock", 1), ("turbo", 0))] + [{"ok": False, "name": "turbo-fp8:0"}]
+    plot(rows, "test", tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0

@@ -66,3 +66,12 @@ def test_histograms_count_every_token_and_full_length_completion() -> None:
     counts = histograms(rows, longest=2)
     assert sum(counts["token_counts"]) == 3  # 5.0 is clamped into the last bin
     assert sum(counts["sequence_counts"]) == 1  # only the completion of full length
+
+
+def test_the_plot_draws_each_variants_histograms(tmp_path) -> None:
+    from trl_turbo.bench.is_gap import plot
+
+    counts = histograms([torch.tensor([0.0, 0.1]), torch.tensor([-0.2])], 2)
+    rows = [{"ok": True, "name": "turbo", "histograms": counts}, {"ok": False, "name": "stock"}]
+    plot(rows, "test", tmp_path / "gap.png")
+    assert (tmp_path / "gap.png").stat().st_size > 0

@@ -23,7 +23,7 @@ from typing import Any
 from . import set_patched
 from .e2e import VARIANT_CONFIG
 from .gpu_children import run_jobs, write_row_and_exit
-from .results import DEFAULT_RESULTS_DIR
+from .results import DEFAULT_RESULTS_DIR, finish_figure
 
 VARIANTS = ("stock", "turbo", "turbo-fp8")
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
@@ -133,13 +133,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     accuracy_ax.set_ylabel("held-out accuracy (greedy, 200 sums)")
     for ax in (reward_ax, accuracy_ax):
         ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_figure(fig, (reward_ax, accuracy_ax), title, path)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

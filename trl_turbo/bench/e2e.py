@@ -10,6 +10,8 @@ synchronised. The instrumentation (timers around ``VLLMGeneration.generate``/``s
 scoped ``trl_turbo.registry`` patches that last for the training run, and a callback) is the same for both variants
 and changes no behaviour. The checkpoint is a random-init model of a named shape, saved once with a word-level
 tokenizer over its whole vocabulary (nothing is downloaded).
+Each row also gets its roofline (`bench.roofline`): generation against its decode floor and the training phase's
+model FLOP utilization, under the read bandwidth and matmul rate measured once per command (`bench.hardware`).
 
 Several GPUs: a launch other than ``1gpu`` names one of TRL's shipped accelerate configs (``multi_gpu``, ``zero2``,
 …); the variant's child is then ``accelerate launch`` of this module, each rank samples its own GPU and writes its
@@ -41,8 +43,10 @@ from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from . import parse_turbo_overrides
+from .hardware import measure as measure_hardware
 from .quantized_checkpoint import save_4bit_checkpoint
 from .results import DEFAULT_RESULTS_DIR, GIB
+from .roofline import format_roofline, row_roofline
 
 # What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
 # KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the
@@ -478,6 +482,7 @@ def run(args: argparse.Namespace) -> Path:
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}{quantized}")
     start = time.perf_counter()
     prepare_checkpoint(args.shape, checkpoint, args.seed, "cuda", args.quantization)
+    hardware = measure_hardware(device)  # the ceilings of each row's roofline, once per machine and command
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)  # this driver's CUDA context and any other process: not a child's
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
@@ -493,7 +498,7 @@ def run(args: argparse.Namespace) -> Path:
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
                                 "generation_kwargs": {"ignore_eos": True},
                                 "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
-    meta = metadata("e2e", device, config)
+    meta = {**metadata("e2e", device, config), "hardware": hardware}
     several = ("" if launches == [SINGLE_GPU] else f"-{args.processes}gpu") + (
         f"-tp{args.vllm_tp}" if args.vllm_tp > 1 else "")
     preset = ("" if args.preset == "anchor" else f"-{args.preset}") + ("-full" if args.full_finetuning else "")
@@ -507,8 +512,10 @@ def run(args: argparse.Namespace) -> Path:
                 spec = {"variant": variant, "launch": launch, "processes": processes, "checkpoint": str(checkpoint),
                         "output_dir": output_dir, "device_used_before": total - free, **config}
                 row = _run_child(spec, args.variant_timeout)
+                row["roofline"] = row_roofline(row, config, hardware)
                 rows.append(row)
                 print(format_row(row), flush=True)
+                print(format_roofline(row, row["roofline"]), flush=True)
                 path = write_results(meta, rows, Path(args.out), stem)
     meta["scaling"] = scaling(rows, workload["completion_len"])
     path = write_results(meta, rows, Path(args.out), stem)

@@ -27,7 +27,7 @@ from .. import losses
 from . import set_patched
 from .e2e import VARIANT_CONFIG
 from .gpu_children import run_jobs, write_row_and_exit
-from .results import DEFAULT_RESULTS_DIR
+from .results import DEFAULT_RESULTS_DIR, finish_figure
 
 VARIANTS = ("stock", "turbo", "turbo-fp8", "turbo-fp8-bf16-kv")
 # fp8 weights with the model's own KV dtype: tells the fp8 weights' share of the gap from the fp8 KV cache's
@@ -202,13 +202,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
     sequence_ax.set_xlabel("full-length completion: sum of token log-ratios")
     for ax in (token_ax, sequence_ax):
         ax.set_ylabel("fraction")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_figure(fig, (token_ax, sequence_ax), title, path)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -142,6 +142,20 @@ def plot(rows: list[dict[str, Any]], series: Callable[[dict[str, Any]], str], pa
     plt.close(fig)
 
 
+def finish_figure(fig: Any, axes: Iterable[Any], title: str, path: Path) -> None:
+    """Grid and legend on each axis (a legend where something is labelled), the title, then save and close."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write(meta: dict[str, Any], rows: list[dict[str, Any]], shape: str, out_dir: Path,
           series: Callable[[dict[str, Any]], str], panels: Iterable[tuple[str, str]], stem: str | None = None,
           x: tuple[str, str] = COMPLETION_AXIS) -> Path:

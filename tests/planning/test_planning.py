@@ -232,3 +232,23 @@ def test_a_70b_qlora_grpo_step_needs_50_gib_with_vllms_fp32_block_scales_and_sto
     single = plan({**values, "use_bnb_nested_quant": False}, "llama-3.3-70b", gpu_gib=50, host_gib=128)
     assert single.turbo.phases[0].parts["vLLM weights"] == 0
     assert single.turbo.phases[0].parts["weights"] - at_50.turbo.phases[0].parts["weights"] > 2.9 * 2**30
+
+
+def test_hsdp_shards_the_training_state_over_the_tensor_parallel_group_only(monkeypatch):
+    """With shared weights on 4 GPUs and T=2, FSDP2's shard group is vLLM's tensor-parallel group (HSDP): each GPU
+    holds half of the weights and of the adapter's training state, replicated across the two groups; without shared
+    weights the shard group is all four."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    spec = model_spec(load_config("llama-3.1-8b"), 16)
+    common = dict(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8, steps_per_generation=1,
+                  max_completion_length=1024, world_size=4, fsdp="full_shard", fsdp_config={"version": 2},
+                  vllm_tensor_parallel_size=2, gradient_checkpointing=True)
+    shared = forecast_run(types.SimpleNamespace(**common, turbo_vllm_shared_weights=True, turbo_vllm_standby=True),
+                          spec, capacity_bytes=80 * 2**30, prompt_tokens=256)
+    parts = shared.phases[-1].parts
+    assert parts["weights"] == spec.weight_bytes(False) // 2
+    assert parts["adapter"] == 4 * spec.lora_parameters // 2
+    stock = forecast_run(types.SimpleNamespace(**common, vllm_enable_sleep_mode=True), spec,
+                         capacity_bytes=80 * 2**30, prompt_tokens=256, stock=True)
+    assert stock.phases[-1].parts["weights"] == spec.weight_bytes(False) // 4
+    assert stock.phases[-1].parts["adapter"] == 4 * spec.lora_parameters // 4

@@ -189,14 +189,16 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     adapter = 4 * spec.lora_parameters
     trainable = spec.lora_parameters or spec.parameters
     shared = engine_plan is not None and engine_plan.shares_weights
-    # FSDP2 over `processes` GPUs: each holds 1/processes of the training state, and of the weights, which with
-    # shared weights are its vLLM tensor-parallel slice instead (1/tp); one layer is gathered whole at a time
+    # FSDP2 over `processes` GPUs: each holds 1/shards of the weights and the training state, its shard group being
+    # every process, or with shared weights its vLLM tensor-parallel group (HSDP when there are more processes, each
+    # shard then a vLLM slice); one layer is gathered whole at a time
     processes, tp = fsdp2_layout(args)
     gathered = 0
     if processes > 1:
-        layer_bytes = weights // max(1, spec.layers)
-        weights = weights // tp if shared else weights // processes
-        adapter, trainable = adapter // processes, -(-trainable // processes)
+        shards = tp if shared else processes
+        layer_bytes = weights // max(1, spec.layers)  # gathered in the 16-bit compute dtype
+        weights //= shards
+        adapter, trainable = adapter // shards, -(-trainable // shards)
         gathered = 2 * layer_bytes  # the layer computing and the one prefetched
     optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
     static = weights + adapter

@@ -30,31 +30,57 @@ def test_noise_band_is_the_spread_of_the_stock_seeds() -> None:
 
 
 CHILD = """
-import json, os, sys, time
+import json, os, subprocess, sys, time
+from trl_turbo.bench.gpu_children import save_row
 spec = json.load(open(sys.argv[1]))
 if spec["name"] == "hang":
+    save_row(spec, {"ok": True, "steps": 1, "deadline_ahead": spec["deadline"] > time.time()})
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(spec["pid_file"], "w") as handle:
+        handle.write(str(grandchild.pid))
     time.sleep(60)
 if spec["name"] == "crash":
     sys.exit(3)
-json.dump({"ok": True, "gpu_seen": os.environ["CUDA_VISIBLE_DEVICES"], "port": os.environ["MASTER_PORT"],
-           "value": spec["value"]}, open(spec["row_path"], "w"))
+save_row(spec, {"ok": True, "gpu_seen": os.environ["CUDA_VISIBLE_DEVICES"], "port": os.environ["MASTER_PORT"],
+                "value": spec["value"]})
 """
 
 
 def test_jobs_are_spread_over_gpus_and_failures_are_rows(tmp_path, monkeypatch) -> None:
+    import os
+    import time
+
     (tmp_path / "fake_child.py").write_text(CHILD)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # --gpus index the GPUs the driver sees
+    monkeypatch.setattr(gpu_children, "STOP_MARGIN_S", 5.0)
     specs = [{"name": "a", "value": 1}, {"name": "b", "value": 2}, {"name": "crash", "value": 3},
-             {"name": "hang", "value": 4}]
-    rows = gpu_children.run_jobs("fake_child", specs, ["0", "1"], timeout_s=10)
+             {"name": "hang", "value": 4, "pid_file": str(tmp_path / "grandchild.pid")}]
+    rows = gpu_children.run_jobs("fake_child", specs, ["0", "1"], timeout_s=15)
     assert [row["name"] for row in rows] == ["a", "b", "crash", "hang"]
-    assert {key: rows[0][key] for key in ("name", "gpu", "ok", "gpu_seen", "value")} == {
-        "name": "a", "gpu": "0", "ok": True, "gpu_seen": "0", "value": 1}
-    assert rows[1]["gpu_seen"] == "1" and rows[1]["value"] == 2
+    assert {key: rows[0][key] for key in ("name", "gpu", "ok", "finished", "gpu_seen", "value")} == {
+        "name": "a", "gpu": "4", "ok": True, "finished": True, "gpu_seen": "4", "value": 1}
+    assert rows[1]["gpu_seen"] == "6" and rows[1]["value"] == 2
     assert rows[0]["port"] != rows[1]["port"]  # concurrent children: one rendezvous port each
     assert not rows[2]["ok"] and "exited with 3" in rows[2]["error"]
-    assert not rows[3]["ok"] and "timed out after 10 s" in rows[3]["error"]
+    # the hanging job keeps the row it saved, says it was stopped, and its process group is gone
+    hang = rows[3]
+    assert hang["ok"] and not hang["finished"] and hang["steps"] == 1 and hang["deadline_ahead"]
+    assert "timed out after 15 s" in hang["error"]
     json.dumps(rows)  # rows go into the results file as they are
+    time.sleep(0.5)
+    assert not _running(int((tmp_path / "grandchild.pid").read_text()))  # what the child started went with it
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie waiting to be reaped."""
+    from pathlib import Path
+
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        return False
+    state = next((line for line in status.read_text().splitlines() if line.startswith("State:")), "")
+    return "zombie" not in state and "Z" not in state.split()[1:2]
 
 
 def test_one_queue_per_gpu() -> None:

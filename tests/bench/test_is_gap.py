@@ -43,13 +43,13 @@ def test_sequence_modes_count_the_completions_the_loss_masks() -> None:
 
 
 def test_token_modes_count_tokens_and_a_lower_bound_counts_too() -> None:
-    rows = [torch.tensor([2.0, 0.0, -3.0]), torch.tensor([0.0, 0.0])]
+    rows = [torch.tensor([2.0, -3.0, 0.0]), torch.tensor([0.0, 0.0])]
     stats = is_statistics(rows, clip_min=0.1, clip_max=3.0, prefixes=(2,))
     assert stats["tokens"] == 5 and stats["completions"] == 2
-    # the prefix of 2 keeps tokens 2.0, 0.0 | 0.0, 0.0: one of four above log 3
-    assert stats["by_prefix"]["2"]["modes"]["token_truncate"]["changed"] == pytest.approx(0.25)
+    # the prefix of 2 keeps tokens 2.0, -3.0 | 0.0, 0.0: e^2 above 3 and e^-3 below 0.1, two of four
+    assert stats["by_prefix"]["2"]["modes"]["token_truncate"]["changed"] == pytest.approx(0.5)
     assert stats["mean_abs_log_ratio"] == pytest.approx(1.0)
-    tokens = torch.tensor([2.0, 0.0, -3.0, 0.0, 0.0], dtype=torch.float64)
+    tokens = torch.tensor([2.0, -3.0, 0.0, 0.0, 0.0], dtype=torch.float64)
     assert stats["k3_kl"] == pytest.approx(float((tokens.exp() - tokens - 1).mean()))
 
 

@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent(
 
     import trl_turbo  # noqa: F401
     from trl_turbo.offload.checkpoint import CheckpointOffloader
+    from trl_turbo.offload import tiled_mlp
     from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
     from trl_turbo.testing.models import tiny_model
     from trl_turbo.testing.multi_gpu import end_process_group
@@ -49,6 +50,14 @@ SCRIPT = textwrap.dedent(
         return unshard(self, *args, **kwargs)
 
     param_group.FSDPParamGroup.unshard = counting_unshard
+    tiles = [0]
+    tiled_apply = tiled_mlp._TiledMLP.apply
+
+    def counting_tiled(*args):
+        tiles[0] += 1
+        return tiled_apply(*args)
+
+    tiled_mlp._TiledMLP.apply = counting_tiled
 
 
     def step(variant):
@@ -69,18 +78,19 @@ SCRIPT = textwrap.dedent(
         model.train()
         torch.manual_seed(1 + rank)
         ids = torch.randint(4, 64, (2, 24))
-        gathers[0] = 0
+        gathers[0] = tiles[0] = 0
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
         moved = offloader.take_stats().offloaded_bytes if offloader is not None else 0
-        return loss.item(), grads, gathers[0], moved
+        return loss.item(), grads, gathers[0], moved, tiles[0]
 
 
     results = {variant: step(variant) for variant in ("transformers", "turbo", "tiled")}
     reference = results["transformers"][1]
     report = {"loss": {v: r[0] for v, r in results.items()}, "gathers": {v: r[2] for v, r in results.items()},
-              "offloaded_bytes": {v: r[3] for v, r in results.items()}, "trainable": len(reference)}
+              "offloaded_bytes": {v: r[3] for v, r in results.items()},
+              "tiled_calls": {v: r[4] for v, r in results.items()}, "trainable": len(reference)}
     for variant in ("turbo", "tiled"):
         grads = results[variant][1]
         report[f"{variant}_missing"] = sorted(set(reference) - {n for n, g in grads.items() if g is not None})
@@ -112,3 +122,6 @@ def test_checkpoint_function_and_tiled_mlp_inside_fsdp2_layers(tmp_path):
         assert report["tiled_max_rel"] < 1e-5  # per-tile sums, fp32
         assert report["gathers"]["turbo"] == report["gathers"]["tiled"] == report["gathers"]["transformers"]
         assert report["offloaded_bytes"]["turbo"] > 0 and report["offloaded_bytes"]["tiled"] > 0
+        # the tiled MLP's autograd Function ran in each of the 3 layers' recompute (the no-grad forward tiles without
+        # it), and only where installed
+        assert report["tiled_calls"]["tiled"] == 3 and report["tiled_calls"]["turbo"] == 0

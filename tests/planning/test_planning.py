@@ -248,6 +248,13 @@ def test_hsdp_shards_the_training_state_over_the_tensor_parallel_group_only(monk
     parts = shared.phases[-1].parts
     assert parts["weights"] == spec.weight_bytes(False) // 2
     assert parts["adapter"] == 4 * spec.lora_parameters // 2
+    assert parts["gathered layers"] > 0
+    whole = forecast_run(types.SimpleNamespace(**{**common, "vllm_tensor_parallel_size": 1},
+                                               turbo_vllm_shared_weights=True, turbo_vllm_standby=True),
+                         spec, capacity_bytes=80 * 2**30, prompt_tokens=256)
+    # T=1: shard groups of one, whole weights on every GPU, nothing gathered
+    assert whole.phases[-1].parts["weights"] == spec.weight_bytes(False)
+    assert "gathered layers" not in whole.phases[-1].parts
     stock = forecast_run(types.SimpleNamespace(**common, vllm_enable_sleep_mode=True), spec,
                          capacity_bytes=80 * 2**30, prompt_tokens=256, stock=True)
     assert stock.phases[-1].parts["weights"] == spec.weight_bytes(False) // 4

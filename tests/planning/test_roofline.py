@@ -34,8 +34,9 @@ def test_decode_reads_the_weights_every_step_and_the_growing_kv_cache() -> None:
     assert decode_weight_bytes(SPEC, generation) == weights
     kv = 2 * 2 * 2 * 2 * 2  # K and V, 2 layers, 2 heads of 2, 16-bit
     assert kv_bytes_per_token(SPEC, generation) == kv
-    # steps t = 0..4 read 3 sequences x (4 + t) cached tokens
-    assert decode_bytes(SPEC, generation) == 5 * weights + 3 * sum(4 + t for t in range(5)) * kv
+    # the prefill samples the first token; decode steps t = 1..4 read 3 sequences x (4 + t) cached tokens
+    assert decode_bytes(SPEC, generation) == 4 * weights + 3 * sum(4 + t for t in range(1, 5)) * kv
+    assert decode_bytes(SPEC, Generation(sequences=3, prompt_len=4, completion_len=1)) == 0
 
 
 def test_tensor_parallel_ranks_read_their_share_and_fp8_halves_the_layers() -> None:
@@ -53,7 +54,8 @@ def test_tensor_parallel_ranks_read_their_share_and_fp8_halves_the_layers() -> N
 
 def test_flops_of_prefill_and_training() -> None:
     generation = Generation(sequences=3, prompt_len=4, completion_len=5, tp=2)
-    forward_prompt = 2 * (600 + 80) * 4 + 2 * 2 * 4 * 4 * 8
+    # 4 prompt tokens through the layers, causal attention over them, the LM head for the last token only
+    forward_prompt = 2 * 600 * 4 + 2 * 2 * 4 * 4 * 8 + 2 * 80
     assert prefill_flops(SPEC, generation) == 3 * forward_prompt / 2
     assert generation_floor_s(SPEC, generation, 100.0, 10.0) == pytest.approx(
         decode_bytes(SPEC, generation) / 100 + prefill_flops(SPEC, generation) / 10)

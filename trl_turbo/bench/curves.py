@@ -22,7 +22,7 @@ from typing import Any
 
 from . import set_patched
 from .e2e import VARIANT_CONFIG
-from .gpu_children import run_jobs, write_row_and_exit
+from .gpu_children import run_jobs, save_row, write_row_and_exit
 from .results import DEFAULT_RESULTS_DIR, finish_figure
 
 VARIANTS = ("stock", "turbo", "turbo-fp8")
@@ -47,9 +47,10 @@ def parse_jobs(text: str) -> list[tuple[str, int]]:
 
 
 def noise_band(rows: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
-    """The spread of the stock jobs' ``metric`` (a number per row): min, max and their gap (None: fewer than two)."""
-    values = [row[metric] for row in rows
-              if row.get("ok") and row["variant"] == "stock" and row.get(metric) is not None]
+    """The spread of the finished stock jobs' ``metric`` (a number per row): min, max and their gap (None: fewer than
+    two)."""
+    values = [row[metric] for row in rows if row.get("ok") and row.get("finished", True)
+              and row["variant"] == "stock" and row.get(metric) is not None]
     if len(values) < 2:
         return None
     return {"min": min(values), "max": max(values), "width": max(values) - min(values)}
@@ -81,8 +82,7 @@ def run(args: argparse.Namespace) -> Path:
     config = {**common, "jobs": [f"{variant}:{seed}" for variant, seed in jobs], "gpus": gpus,
               "variant_config": {variant: VARIANT_CONFIG[variant] for variant in {v for v, _ in jobs}}}
     meta = metadata("curves", torch.device("cuda", 0), config)
-    specs = [{**common, "name": f"{variant}:{seed}", "variant": variant, "seed": seed,
-              "deadline_s": args.job_timeout - 30} for variant, seed in jobs]
+    specs = [{**common, "name": f"{variant}:{seed}", "variant": variant, "seed": seed} for variant, seed in jobs]
     rows = run_jobs("trl_turbo.bench.curves", specs, gpus, args.job_timeout)
     for row, spec in zip(rows, specs):
         row.setdefault("variant", spec["variant"])
@@ -106,9 +106,11 @@ def run(args: argparse.Namespace) -> Path:
 def format_row(row: dict[str, Any]) -> str:
     if not row.get("ok"):
         return f"{row.get('name')}: FAILED {row.get('error', '')[-1500:]}"
-    return (f"{row['name']}: {row['steps_done']} steps in {row['train_s']:.0f} s; held-out accuracy "
+    stopped = "" if row.get("finished", True) else f" (stopped early: {str(row.get('error'))[:200]})"
+    reward = "-" if row.get("tail_reward") is None else f"{row['tail_reward']:.3f}"
+    return (f"{row['name']}: {row['steps_done']} steps in {row['train_s']:.0f} s{stopped}; held-out accuracy "
             f"{row['accuracy'][0][1]:.1%} -> {row['final_accuracy']:.1%}; sampled reward over the last "
-            f"{SMOOTHING_STEPS} steps {row['tail_reward']:.3f}")
+            f"{SMOOTHING_STEPS} steps {reward}")
 
 
 def plot(rows: list[dict[str, Any]], title: str, path: Path) -> None:
@@ -149,15 +151,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--job-timeout", type=float, default=400.0, help="seconds a job may run (it stops training "
-                        "30 s before, keeping the steps done)")
+                        "shortly before, keeping the steps done)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)
 
 
 # ------------------------------------------------------------------------------------------------ the child
-def run_job(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train one variant with one seed; the row holds TRL's log of every step and the held-out accuracy curve."""
-    start = time.perf_counter()
+def run_job(spec: dict[str, Any], row: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train one variant with one seed; the row holds TRL's log of every step and the held-out accuracy curve. The
+    row (`row`, filled in place, so a failure keeps what was measured) is saved at every evaluation, and training
+    stops at `spec["deadline"]`."""
     set_patched(spec["variant"] != "stock")  # this module's import patched TRL; stock runs unpatched
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -165,10 +168,19 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
     from ..tasks import addition
 
-    train, held_out = addition.problems()
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    row = {} if row is None else row
     accuracy: list[tuple[int, float]] = []
     log: list[dict[str, float]] = []
+    row.update(ok=True, variant=spec["variant"], seed=spec["seed"], steps_done=0, train_s=0.0, accuracy=accuracy,
+               log=log)
+    train, held_out = addition.problems()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+
+    def evaluate(model: Any, step: int) -> None:
+        accuracy.append((step, addition.held_out_accuracy(model, tokenizer, held_out)))
+        row.update(steps_done=step, train_s=time.perf_counter() - train_start, final_accuracy=accuracy[-1][1],
+                   tail_reward=tail_mean([entry.get("reward") for entry in log], SMOOTHING_STEPS))
+        save_row(spec, row)
 
     class Recorder(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -177,8 +189,8 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step % spec["eval_every"] == 0 or state.global_step == args.max_steps:
-                accuracy.append((state.global_step, addition.held_out_accuracy(model, tokenizer, held_out)))
-            if time.perf_counter() - start > spec["deadline_s"]:
+                evaluate(model, state.global_step)
+            if time.time() > spec["deadline"]:
                 control.should_training_stop = True
 
     config = GRPOConfig(
@@ -192,25 +204,23 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = GRPOTrainer(model=spec["model"], processing_class=tokenizer, reward_funcs=addition.accuracy_reward,
                           args=config, train_dataset=train, peft_config=LoraConfig(**spec["lora"]))
     trainer.add_callback(Recorder())
-    accuracy.append((0, addition.held_out_accuracy(trainer.model, tokenizer, held_out)))
     train_start = time.perf_counter()
+    evaluate(trainer.model, 0)
     trainer.train()
     if accuracy[-1][0] != trainer.state.global_step:
-        accuracy.append((trainer.state.global_step, addition.held_out_accuracy(trainer.model, tokenizer, held_out)))
-    rewards = [entry.get("reward") for entry in log]
-    return {"ok": True, "variant": spec["variant"], "seed": spec["seed"], "steps_done": trainer.state.global_step,
-            "train_s": time.perf_counter() - train_start, "accuracy": accuracy, "final_accuracy": accuracy[-1][1],
-            "tail_reward": tail_mean(rewards, SMOOTHING_STEPS), "log": log}
+        evaluate(trainer.model, trainer.state.global_step)
+    return row
 
 
 def _child_main(spec_path: str) -> None:
     import traceback
 
     spec = json.loads(Path(spec_path).read_text())
+    row: dict[str, Any] = {"variant": spec["variant"], "seed": spec["seed"]}
     try:
-        row = run_job(spec)
-    except Exception:  # the row says what failed; the driver goes on with the other jobs
-        row = {"ok": False, "variant": spec["variant"], "seed": spec["seed"], "error": traceback.format_exc()[-4000:]}
+        run_job(spec, row)
+    except Exception:  # the row keeps what was measured and says what failed; the driver goes on
+        row.update(ok=False, error=traceback.format_exc()[-4000:])
     write_row_and_exit(spec, row)
 
 

@@ -5,34 +5,48 @@ vLLM engines live as long as their process, so each job is its own process pinne
 ``CUDA_VISIBLE_DEVICES``; the jobs of one GPU run one after the other (two colocated engines profiling memory on one
 device at once misread each other's allocations, and vLLM asserts), and the GPUs run in parallel, each child with a
 rendezvous port of its own (TRL's colocated engine opens a process group on ``MASTER_PORT``, the same default in every
-child). A job that fails or runs past its time limit gives a row saying so; the others go on.
+child). A child has a deadline (wall-clock time) to stop by and saves its row as it goes (`save_row`, atomically), so
+a job stopped at its time limit keeps what it measured; the driver then kills the child's whole process group. A job
+that fails gives a row saying so; the others go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from ..testing.multi_gpu import fresh_rendezvous_env
 
+# A child stops training this long before its time limit, to evaluate and save what it has.
+STOP_MARGIN_S = 45.0
+
 
 def run_jobs(module: str, specs: list[dict[str, Any]], gpus: list[str], timeout_s: float) -> list[dict[str, Any]]:
-    """Run ``python -m <module> <spec.json>`` for each spec (job ``i`` on ``gpus[i % len(gpus)]``) and return their
-    rows in the order of ``specs``. The child writes its row as JSON to ``spec["row_path"]``."""
+    """Run ``python -m <module> <spec.json>`` for each spec (job ``i`` on ``gpus[i % len(gpus)]``, an index among the
+    GPUs this process sees) and return their rows in the order of ``specs``. The child saves its row with
+    :func:`save_row` to ``spec["row_path"]`` and stops by ``spec["deadline"]`` (seconds since the epoch)."""
     if len(set(gpus)) != len(gpus) or not gpus:
         raise SystemExit(f"--gpus names each GPU once (the jobs of one GPU run one after the other), got {gpus}")
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     rows: list[dict[str, Any] | None] = [None] * len(specs)
     with tempfile.TemporaryDirectory() as scratch:
         def queue(gpu: str, indices: list[int]) -> None:
+            device = visible[int(gpu)] if visible else gpu
             for index in indices:
-                rows[index] = _run_one(module, specs[index], gpu, Path(scratch) / f"job{index}", timeout_s)
+                try:
+                    rows[index] = _run_one(module, specs[index], device, Path(scratch) / f"job{index}", timeout_s)
+                except Exception as exc:  # the queue goes on with its next job
+                    rows[index] = {"name": specs[index].get("name"), "ok": False, "error": repr(exc)}
                 print(f"[{specs[index].get('name', index)} on GPU {gpu}] "
                       f"{'ok' if rows[index].get('ok') else rows[index].get('error')}", flush=True)
 
@@ -45,25 +59,32 @@ def run_jobs(module: str, specs: list[dict[str, Any]], gpus: list[str], timeout_
     return [row or {"ok": False, "error": "not run"} for row in rows]
 
 
-def _run_one(module: str, spec: dict[str, Any], gpu: str, scratch: Path, timeout_s: float) -> dict[str, Any]:
+def _run_one(module: str, spec: dict[str, Any], device: str, scratch: Path, timeout_s: float) -> dict[str, Any]:
     scratch.mkdir(parents=True)
     row_path = scratch / "row.json"
     spec_path = scratch / "spec.json"
-    spec_path.write_text(json.dumps({**spec, "row_path": str(row_path), "output_dir": str(scratch / "out")}))
-    env = {**fresh_rendezvous_env(), "CUDA_VISIBLE_DEVICES": gpu, "MASTER_ADDR": "127.0.0.1",
+    deadline = time.time() + timeout_s - STOP_MARGIN_S
+    spec_path.write_text(json.dumps({**spec, "row_path": str(row_path), "output_dir": str(scratch / "out"),
+                                     "deadline": deadline}))
+    env = {**fresh_rendezvous_env(), "CUDA_VISIBLE_DEVICES": device, "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     with open(scratch / "log.txt", "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", module, str(spec_path)], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            process = subprocess.run([sys.executable, "-m", module, str(spec_path)], env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, timeout=timeout_s)
-            failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
+            failure = None if process.wait(timeout=timeout_s) == 0 else f"child exited with {process.returncode}"
         except subprocess.TimeoutExpired:
             failure = f"timed out after {timeout_s:.0f} s"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the child and whatever it started (vLLM's workers)
+            process.wait()
     row = json.loads(row_path.read_text()) if row_path.exists() else {"ok": False}
-    if failure and not row.get("ok"):
+    row["finished"] = failure is None
+    if failure:  # what the child saved before (a partial row stays ok: its measurements are valid as far as they go)
         tail = (scratch / "log.txt").read_text()[-3000:]
         row["error"] = f"{failure}: {row.get('error') or tail}"
-    return {"name": spec.get("name"), "gpu": gpu, **row}
+    return {"name": spec.get("name"), "gpu": device, **row}
 
 
 def free_port() -> int:
@@ -73,9 +94,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def save_row(spec: dict[str, Any], row: dict[str, Any]) -> None:
+    """Write the child's row so that a reader never sees half of it (a temporary file renamed over the old row)."""
+    path = Path(spec["row_path"])
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(row))
+    os.replace(temporary, path)
+
+
 def write_row_and_exit(spec: dict[str, Any], row: dict[str, Any]) -> None:
-    """Save the child's row and leave without interpreter teardown, where an in-process vLLM engine can hang."""
-    Path(spec["row_path"]).write_text(json.dumps(row))
+    """Save the child's final row and leave without interpreter teardown, where an in-process vLLM engine can hang."""
+    save_row(spec, row)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -56,24 +56,22 @@ def kv_bytes_per_token(spec: ModelSpec, generation: Generation) -> float:
 
 
 def decode_bytes(spec: ModelSpec, generation: Generation) -> float:
-    """One rank's bytes read over the generation's decode steps: the weights at every step, and at step t the KV
-    cache of every sequence's prompt and first t completion tokens."""
-    steps = generation.completion_len
-    cached_tokens = generation.sequences * (steps * generation.prompt_len + steps * (steps - 1) / 2)
+    """One rank's bytes read over the generation's decode steps (the prefill samples the first completion token,
+    then one step per further token): the weights at every step, and at step t = 1..C-1 the KV cache of every
+    sequence's prompt and first t completion tokens."""
+    steps = max(0, generation.completion_len - 1)
+    cached_tokens = generation.sequences * (steps * generation.prompt_len + steps * (steps + 1) / 2)
     return steps * decode_weight_bytes(spec, generation) + cached_tokens * kv_bytes_per_token(spec, generation)
 
 
-def forward_flops(spec: ModelSpec, sequence_len: int, tokens: int | None = None) -> float:
-    """A forward pass's model FLOPs for one sequence: its `tokens` (all of them by default) through every linear
-    weight and the LM head, and causal attention over `sequence_len`."""
-    tokens = sequence_len if tokens is None else tokens
-    linear = spec.layer_linear_parameters + spec.vocab_size * spec.hidden_size
-    return 2 * linear * tokens + 2 * spec.layers * sequence_len * sequence_len * spec.query_width
-
-
 def prefill_flops(spec: ModelSpec, generation: Generation) -> float:
-    """One rank's FLOPs of the prompts' prefill (the group's prompts, 1/T of the work on each rank)."""
-    return generation.sequences * forward_flops(spec, generation.prompt_len) / generation.tp
+    """One rank's FLOPs of the prompts' prefill (the group's prompts, 1/T of the work on each rank): every prompt
+    token through the decoder layers' linear weights, causal attention over the prompt, and the LM head for the last
+    token only (the one that samples)."""
+    prompt = generation.prompt_len
+    per_sequence = (2 * spec.layer_linear_parameters * prompt + 2 * spec.layers * prompt * prompt * spec.query_width
+                    + 2 * spec.vocab_size * spec.hidden_size)
+    return generation.sequences * per_sequence / generation.tp
 
 
 def generation_floor_s(spec: ModelSpec, generation: Generation, read_bytes_per_s: float,

@@ -199,7 +199,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         layer_bytes = weights // max(1, spec.layers)  # gathered in the 16-bit compute dtype
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
-        gathered = 2 * layer_bytes  # the layer computing and the one prefetched
+        gathered = 2 * layer_bytes if shards > 1 else 0  # the layer computing and the one prefetched
     optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
     static = weights + adapter
     standby = engine_plan is not None and engine_plan.standby

@@ -259,3 +259,23 @@ def test_hsdp_shards_the_training_state_over_the_tensor_parallel_group_only(monk
                          capacity_bytes=80 * 2**30, prompt_tokens=256, stock=True)
     assert stock.phases[-1].parts["weights"] == spec.weight_bytes(False) // 4
     assert stock.phases[-1].parts["adapter"] == 4 * spec.lora_parameters // 4
+
+
+def test_where_trl_turbos_checkpointing_is_off_the_forecast_trains_as_the_run_does(monkeypatch):
+    """Under FSDP2 the run keeps transformers' checkpointing (no layer plan), one sequence group at a time: so does
+    the forecast, and the report says so instead of printing a layer plan the run would not make."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    spec = model_spec(load_config("llama-3.1-8b"), 16)
+    args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=16,
+                                 steps_per_generation=4, max_completion_length=2048, world_size=2, fsdp="full_shard",
+                                 fsdp_config={"version": 2}, vllm_tensor_parallel_size=2, gradient_checkpointing=True,
+                                 turbo_vllm_shared_weights=True, turbo_vllm_standby=True)
+    forecast = forecast_run(args, spec, capacity_bytes=80 * 2**30, prompt_tokens=64)
+    assert not forecast.plan.memory.checkpointing and forecast.plan.memory.mode == "auto"
+    training = forecast.training
+    assert training.mode == "off" and training.plan is None
+    assert (training.groups, training.group_sequences) == (2, 8)  # 16 x 2112 tokens over a 32768-token budget
+    single = forecast_run(types.SimpleNamespace(**{**vars(args), "world_size": 1, "fsdp": None, "fsdp_config": None,
+                                                   "vllm_tensor_parallel_size": 1}),
+                          spec, capacity_bytes=80 * 2**30, prompt_tokens=64)
+    assert single.plan.memory.checkpointing and single.training.plan is not None  # one GPU: the layer plan

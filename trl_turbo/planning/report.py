@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import MemoryPlanMode
 from ..distributed import Strategy
 from ..offload.memory_plan import describe_plan
 from ..vllm.sharing import SharingMode
@@ -49,6 +50,9 @@ def render(plan: Any) -> str:
     elif training.mode == "min":
         lines.append(f"training: {training.groups} forward(s) of {training.group_sequences} sequence(s) per "
                      "micro-batch; every layer offloads its checkpoint (the most frugal plan)")
+    elif not turbo.plan.memory.checkpointing and turbo.plan.memory.mode is not MemoryPlanMode.OFF:
+        lines.append(f"training: {training.groups} forward(s) of {training.group_sequences} sequence(s) per "
+                     "micro-batch, each under transformers' gradient checkpointing (trl_turbo's is off in this run)")
     else:
         lines.append("training: stock TRL's (turbo_memory_plan='off')")
     lines.append(f"longest completion that fits: trl_turbo {_tokens(plan.turbo_longest)}, "

@@ -10,7 +10,7 @@ device, and DeepSpeed/FSDP sharding (one process, one device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import MemoryPlanMode, SamplingMode, Settings
@@ -26,7 +26,7 @@ from ..vllm.kv_budget import (
     useful_kv_cache_bytes,
 )
 from .model_spec import ModelSpec
-from .training import CONTEXT_BYTES, MicroBatch, TrainingForecast, forecast_training
+from .training import CONTEXT_BYTES, MicroBatch, TrainingForecast, forecast_training, token_groups
 
 # Adam's two fp32 moments per trainable parameter (the gradients are part of the training phase).
 OPTIMIZER_BYTES_PER_PARAM = 8
@@ -258,8 +258,18 @@ def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, complet
         ceiling = int(plan.memory.ceiling_gib * 2**30)
     else:
         ceiling = generation_bytes + CONTEXT_BYTES if generation_bytes is not None else None
+    batch = MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion)
+    if plan is not None and not plan.memory.checkpointing:
+        # trl_turbo's checkpointing is off in this run (the plan says why): transformers' checkpointing (or none)
+        # trains each of the micro-batch's sequence groups, as for stock TRL but one group at a time
+        rows, groups = token_groups(batch, plan.memory.forward_token_budget)
+        group = forecast_training(
+            spec, MicroBatch(rows, batch.sequence_tokens), mode=MemoryPlanMode.OFF, capacity_bytes=capacity_bytes,
+            static_bytes=static_bytes, quantized_4bit=quantized_4bit,
+            gradient_checkpointing=bool(_field(args, "gradient_checkpointing")))
+        return replace(group, group_sequences=rows, groups=groups)
     return forecast_training(
-        spec, MicroBatch(args.per_device_train_batch_size, prompt_tokens + completion),
+        spec, batch,
         mode=MemoryPlanMode.OFF if plan is None else plan.memory.mode, capacity_bytes=capacity_bytes,
         static_bytes=static_bytes, quantized_4bit=quantized_4bit,
         forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,

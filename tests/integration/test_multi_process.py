@@ -36,8 +36,8 @@ SCRIPT = textwrap.dedent(
     records = parity.run_training(variant, overrides, steps=2, peft=True, model_kwargs={"tie_word_embeddings": False})
     if int(os.environ["RANK"]) == 0:
         torch.save([(r.loss, r.grads, r.params) for r in records], out)
-    from trl_turbo.testing.multi_gpu import end_process_group
-    end_process_group()
+    from trl_turbo.testing.multi_gpu import leave_finished_process
+    leave_finished_process()
     """
 )
 
@@ -93,8 +93,8 @@ COLLECTIVES_SCRIPT = textwrap.dedent(
                                  frozenset({"offload/host_peak_gib"}))
     assert reduced == {"offload/offloaded_gib": 0.5, "offload/host_peak_gib": 3.0}, reduced
     open(f"rank{rank}.ok", "w").close()
-    from trl_turbo.testing.multi_gpu import end_process_group
-    end_process_group()
+    from trl_turbo.testing.multi_gpu import leave_finished_process
+    leave_finished_process()
     """
 )
 

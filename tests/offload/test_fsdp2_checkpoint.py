@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     from trl_turbo.offload import tiled_mlp
     from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
     from trl_turbo.testing.models import tiny_model
-    from trl_turbo.testing.multi_gpu import end_process_group
+    from trl_turbo.testing.multi_gpu import leave_finished_process
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -99,7 +99,7 @@ SCRIPT = textwrap.dedent(
                                            for n in reference)
     with open(sys.argv[1] + f".{rank}", "w") as handle:
         json.dump(report, handle)
-    end_process_group()
+    leave_finished_process()
     """
 )
 

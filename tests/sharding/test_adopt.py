@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
     from trl_turbo.sharding.tp_layout import tp_layout
     from trl_turbo.sharding.adopt import fsdp_params
     from trl_turbo.testing.models import tiny_model
-    from trl_turbo.testing.multi_gpu import end_process_group
+    from trl_turbo.testing.multi_gpu import leave_finished_process
     from trl_turbo.vllm.sharded import PENDING_ATTRIBUTE, ShardedShare
     from trl_turbo.vllm.weight_views import LayoutMismatch
 
@@ -200,7 +200,7 @@ SCRIPT = textwrap.dedent(
         for fp in fsdp_params(model).values())
     with open(sys.argv[1] + f".{rank}", "w") as handle:
         json.dump(report, handle)
-    end_process_group()
+    leave_finished_process()
     """
 )
 

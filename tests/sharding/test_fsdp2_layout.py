@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     from trl_turbo.sharding.shard_placement import ShardPlacementFn, applied_shard_dims, model_facts, plan_model
     from trl_turbo.sharding.tp_layout import tp_layout
     from trl_turbo.testing.models import tiny_model
-    from trl_turbo.testing.multi_gpu import end_process_group
+    from trl_turbo.testing.multi_gpu import leave_finished_process
 
     dist.init_process_group("gloo")
     layout = hsdp_mesh(*map(int, sys.argv[2:5]))  # nodes, GPUs per node, T
@@ -106,7 +106,7 @@ SCRIPT = textwrap.dedent(
     if rank == 0:
         with open(sys.argv[1], "w") as handle:
             json.dump(report, handle)
-    end_process_group()
+    leave_finished_process()
     """
 )
 

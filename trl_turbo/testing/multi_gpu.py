@@ -188,5 +188,17 @@ def end_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+def leave_finished_process() -> None:
+    """The last call of a multi-process script that has written its results: destroy the process group, then exit
+    with status 0 without interpreter teardown. Even after `end_process_group`, a gloo or store thread torn down with
+    the interpreter has aborted a finished run (SIGABRT, "terminate called without an active exception")."""
+    import sys
+
+    end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()

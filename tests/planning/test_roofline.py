@@ -15,8 +15,8 @@ from trl_turbo.planning.roofline import (
     decode_bytes,
     decode_weight_bytes,
     generation_floor_s,
-    kv_bytes_per_token,
     prefill_flops,
+    rank_kv_bytes_per_token,
     training_flops,
 )
 
@@ -33,7 +33,7 @@ def test_decode_reads_the_weights_every_step_and_the_growing_kv_cache() -> None:
     weights = 600 * 2 + 10 * 8 * 2  # layers' linear weights and the LM head, 16-bit
     assert decode_weight_bytes(SPEC, generation) == weights
     kv = 2 * 2 * 2 * 2 * 2  # K and V, 2 layers, 2 heads of 2, 16-bit
-    assert kv_bytes_per_token(SPEC, generation) == kv
+    assert rank_kv_bytes_per_token(SPEC, generation) == kv
     # the prefill samples the first token; decode steps t = 1..4 read 3 sequences x (4 + t) cached tokens
     assert decode_bytes(SPEC, generation) == 4 * weights + 3 * sum(4 + t for t in range(1, 5)) * kv
     assert decode_bytes(SPEC, Generation(sequences=3, prompt_len=4, completion_len=1)) == 0
@@ -42,12 +42,13 @@ def test_decode_reads_the_weights_every_step_and_the_growing_kv_cache() -> None:
 def test_tensor_parallel_ranks_read_their_share_and_fp8_halves_the_layers() -> None:
     tp2 = Generation(sequences=3, prompt_len=4, completion_len=5, tp=2)
     assert decode_weight_bytes(SPEC, tp2) == (600 * 2 + 160) / 2
-    assert kv_bytes_per_token(SPEC, tp2) == 2 * 2 * 1 * 2 * 2  # one of the two heads
+    assert rank_kv_bytes_per_token(SPEC, tp2) == 2 * 2 * 1 * 2 * 2  # one of the two heads
     tp4 = Generation(sequences=3, prompt_len=4, completion_len=5, tp=4)
-    assert kv_bytes_per_token(SPEC, tp4) == kv_bytes_per_token(SPEC, tp2)  # fewer heads than ranks: replicated
+    # fewer heads than ranks: one replicated head each
+    assert rank_kv_bytes_per_token(SPEC, tp4) == rank_kv_bytes_per_token(SPEC, tp2)
     fp8 = Generation(sequences=3, prompt_len=4, completion_len=5, weight_dtype="fp8", kv_bytes=1)
     assert decode_weight_bytes(SPEC, fp8) == 600 + 160  # the LM head stays 16-bit
-    assert kv_bytes_per_token(SPEC, fp8) == 16
+    assert rank_kv_bytes_per_token(SPEC, fp8) == 16
     lora = Generation(sequences=3, prompt_len=4, completion_len=5, adapter_parameters=50)
     assert decode_weight_bytes(SPEC, lora) == 600 * 2 + 160 + 100
 

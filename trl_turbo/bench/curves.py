@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from . import set_patched
 from .e2e import VARIANT_CONFIG
-from .gpu_children import run_jobs, save_row, write_row_and_exit
+from .gpu_children import child_main, run_jobs, save_row
 from .results import DEFAULT_RESULTS_DIR, finish_figure
 
 VARIANTS = ("stock", "turbo", "turbo-fp8")
@@ -212,17 +211,5 @@ def run_job(spec: dict[str, Any], row: dict[str, Any] | None = None) -> dict[str
     return row
 
 
-def _child_main(spec_path: str) -> None:
-    import traceback
-
-    spec = json.loads(Path(spec_path).read_text())
-    row: dict[str, Any] = {"variant": spec["variant"], "seed": spec["seed"]}
-    try:
-        run_job(spec, row)
-    except Exception:  # the row keeps what was measured and says what failed; the driver goes on
-        row.update(ok=False, error=traceback.format_exc()[-4000:])
-    write_row_and_exit(spec, row)
-
-
 if __name__ == "__main__":
-    _child_main(sys.argv[1])
+    child_main(run_job)

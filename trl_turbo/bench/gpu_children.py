@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,18 @@ def save_row(spec: dict[str, Any], row: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-def write_row_and_exit(spec: dict[str, Any], row: dict[str, Any]) -> None:
-    """Save the child's final row and leave without interpreter teardown, where an in-process vLLM engine can hang."""
+def child_main(job: Callable[[dict[str, Any], dict[str, Any]], Any]) -> None:
+    """A child's whole life: read the spec named on the command line, run `job(spec, row)`, which fills `row` as it
+    measures, and save the row, with what failed if the job raised (what it had measured stays). Then leave without
+    interpreter teardown, where an in-process vLLM engine can hang."""
+    import traceback
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    row: dict[str, Any] = {key: spec[key] for key in ("variant", "seed") if key in spec}
+    try:
+        job(spec, row)
+    except Exception:  # the driver goes on with the other jobs
+        row.update(ok=False, error=traceback.format_exc()[-4000:])
     save_row(spec, row)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 from .. import losses
 from . import set_patched
 from .e2e import VARIANT_CONFIG
-from .gpu_children import run_jobs, write_row_and_exit
+from .gpu_children import child_main, run_jobs
 from .results import DEFAULT_RESULTS_DIR, finish_figure
 
 VARIANTS = ("stock", "turbo", "turbo-fp8", "turbo-fp8-bf16-kv")
@@ -231,7 +230,9 @@ def distinct_words_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [len(set(words)) / max(1, len(words)) for words in texts]
 
 
-def run_job(spec: dict[str, Any]) -> dict[str, Any]:
+def run_job(spec: dict[str, Any], row: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Three recorded GRPO steps of one variant; `row` (filled in place) gets the statistics of every recorded
+    completion's log-ratios and their histograms."""
     set_patched(spec["variant"] != "stock")  # this module's import patched TRL; stock runs unpatched
     import datasets
     from peft import LoraConfig
@@ -279,22 +280,13 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     with scope:
         trainer.train()
-    return {"ok": True, "variant": spec["variant"], "train_s": time.perf_counter() - start,
-            "statistics": is_statistics(recorded, trainer.vllm_importance_sampling_clip_min,
+    row = {} if row is None else row
+    row.update(ok=True, variant=spec["variant"], train_s=time.perf_counter() - start,
+               statistics=is_statistics(recorded, trainer.vllm_importance_sampling_clip_min,
                                         trainer.vllm_importance_sampling_clip_max),
-            "histograms": histograms(recorded, spec["completion_len"])}
-
-
-def _child_main(spec_path: str) -> None:
-    import traceback
-
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        row = run_job(spec)
-    except Exception:  # the row says what failed; the driver goes on with the other jobs
-        row = {"ok": False, "variant": spec["variant"], "error": traceback.format_exc()[-4000:]}
-    write_row_and_exit(spec, row)
+               histograms=histograms(recorded, spec["completion_len"]))
+    return row
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1])
+    child_main(run_job)

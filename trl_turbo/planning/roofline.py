@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..vllm.kv_budget import kv_bytes_per_token, rank_kv_heads
 from .model_spec import ModelSpec, four_bit_bytes_per_weight
 
 # Bytes per linear weight of the decoder layers in each sampled dtype; the LM head stays 16-bit (vLLM's fp8 and
@@ -41,18 +42,21 @@ class Generation:
     adapter_parameters: int = 0  # LoRA factors the engine reads unmerged ("lora" sampling), else 0
 
 
+def lm_head_parameters(spec: ModelSpec) -> int:
+    return spec.vocab_size * spec.hidden_size
+
+
 def decode_weight_bytes(spec: ModelSpec, generation: Generation) -> float:
     """What one rank reads of the weights in one decode step."""
-    lm_head = spec.vocab_size * spec.hidden_size * 2
+    lm_head = lm_head_parameters(spec) * 2
     layers = spec.layer_linear_parameters * LAYER_WEIGHT_BYTES[generation.weight_dtype]
     return (layers + lm_head + 2 * generation.adapter_parameters) / generation.tp
 
 
-def kv_bytes_per_token(spec: ModelSpec, generation: Generation) -> float:
-    """One rank's KV bytes for one cached token (its share of the key/value heads; heads fewer than T are
-    replicated, one per rank)."""
-    heads = max(1, spec.key_value_heads // generation.tp)
-    return 2 * spec.layers * heads * spec.head_dim * generation.kv_bytes
+def rank_kv_bytes_per_token(spec: ModelSpec, generation: Generation) -> int:
+    """One rank's KV bytes for one cached token (its key/value heads)."""
+    return kv_bytes_per_token(layers=spec.layers, kv_heads=rank_kv_heads(spec.key_value_heads, generation.tp),
+                              head_dim=spec.head_dim, dtype_bytes=generation.kv_bytes)
 
 
 def decode_bytes(spec: ModelSpec, generation: Generation) -> float:
@@ -61,7 +65,7 @@ def decode_bytes(spec: ModelSpec, generation: Generation) -> float:
     sequence's prompt and first t completion tokens."""
     steps = max(0, generation.completion_len - 1)
     cached_tokens = generation.sequences * (steps * generation.prompt_len + steps * (steps + 1) / 2)
-    return steps * decode_weight_bytes(spec, generation) + cached_tokens * kv_bytes_per_token(spec, generation)
+    return steps * decode_weight_bytes(spec, generation) + cached_tokens * rank_kv_bytes_per_token(spec, generation)
 
 
 def prefill_flops(spec: ModelSpec, generation: Generation) -> float:
@@ -70,7 +74,7 @@ def prefill_flops(spec: ModelSpec, generation: Generation) -> float:
     token only (the one that samples)."""
     prompt = generation.prompt_len
     per_sequence = (2 * spec.layer_linear_parameters * prompt + 2 * spec.layers * prompt * prompt * spec.query_width
-                    + 2 * spec.vocab_size * spec.hidden_size)
+                    + 2 * lm_head_parameters(spec))
     return generation.sequences * per_sequence / generation.tp
 
 
@@ -84,7 +88,7 @@ def training_flops(spec: ModelSpec, sequences: int, sequence_len: int, full_fine
     """One rank's model FLOPs for one forward and backward of `sequences` sequences of `sequence_len` tokens: the
     forward, the input gradients (as much again for the linear weights, twice the forward for attention) and, when
     every weight trains, the weight gradients."""
-    linear = 2 * (spec.layer_linear_parameters + spec.vocab_size * spec.hidden_size) * sequence_len
+    linear = 2 * (spec.layer_linear_parameters + lm_head_parameters(spec)) * sequence_len
     attention = 2 * spec.layers * sequence_len * sequence_len * spec.query_width
     per_sequence = linear * (3 if full_finetuning else 2) + attention * 3
     return sequences * per_sequence

@@ -22,6 +22,7 @@ from ..vllm.kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
     kv_bytes_per_token,
+    rank_kv_heads,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
@@ -157,7 +158,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
         error = None if kv_cache else (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to "
                                        f"its {weights / 2**30:.1f} GiB of weights")
         return _EngineMemory(weights, kv_cache, workspace, error)
-    per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=max(1, spec.key_value_heads // tp_size),
+    per_token = kv_bytes_per_token(layers=spec.layers, kv_heads=rank_kv_heads(spec.key_value_heads, tp_size),
                                    head_dim=spec.head_dim, dtype_bytes=1 if engine_plan.kv_cache_dtype.is_fp8 else 2)
     max_model_len = _field(args, "vllm_max_model_length")
     useful = useful_kv_cache_bytes(

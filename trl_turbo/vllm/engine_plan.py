@@ -31,6 +31,7 @@ from .kv_budget import (
     auto_kv_cache_bytes,
     expected_seq_len,
     kv_bytes_per_token,
+    rank_kv_heads,
     sampling_workspace_bytes,
     useful_kv_cache_bytes,
 )
@@ -322,7 +323,7 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     per_token = kv_bytes_per_token(
-        layers=text.num_hidden_layers, kv_heads=max(1, kv_heads // tp),  # a rank's heads (replicated below T)
+        layers=text.num_hidden_layers, kv_heads=rank_kv_heads(kv_heads, tp),
         head_dim=head_dim, dtype_bytes=1 if KVCacheDtype(kv_cache_dtype).is_fp8 else 2,
     )
     max_num_seqs = min(generation.max_num_seqs or 256, sequences or 256)

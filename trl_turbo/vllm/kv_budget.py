@@ -52,6 +52,12 @@ def kv_margin_bytes(total_bytes: int) -> int:
     return kept_free_bytes(total_bytes, _MARGIN_FRACTION, _MIN_MARGIN_BYTES)
 
 
+def rank_kv_heads(kv_heads: int, tp: int) -> int:
+    """The key/value heads one tensor-parallel rank holds: its share, or one replicated head where there are fewer
+    heads than ranks."""
+    return max(1, kv_heads // tp)
+
+
 def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """K and V of every layer for one token."""
     return 2 * layers * kv_heads * head_dim * dtype_bytes

@@ -129,17 +129,28 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
     assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))  # training may use what the KV held
     assert standby.restore() == 4 * GIB and allocations[1].mapped
     assert fake_cuda["fraction"] == base
-    # with the fp8 copy's allocations (here: the 3 GiB one) released too, mapping them back first keeps only the
-    # KV cache's bytes lent until the KV cache itself is mapped
-    standby._weight_allocations, standby.bytes = [allocations[2]], 7 * GIB
+    # weight allocations handed over while the KV cache is released (full fine-tuning's copies once FSDP2 has
+    # sharded; here the 3 GiB one) go at once, and are lent too
     standby.release()
+    copy = torch.empty(2)
+    holding = {copy.untyped_storage().data_ptr(): [allocations[2]]}
+
+    def holding_only(self, tensors):
+        return [a for t in tensors for a in holding.get(t.untyped_storage().data_ptr(), [])]
+
+    monkeypatch.setattr(engine.KVStandby, "_allocations_holding_only", holding_only)  # the instance stays collectable
+    assert standby.release_also([copy]) == 3 * GIB and standby.bytes == 7 * GIB
     assert fake_cuda["fraction"] == pytest.approx(22 * GIB / (140 * GIB)) and not allocations[2].mapped
+    assert standby.release_also([copy]) == 0  # known already
+    assert standby.weight_releases == 1  # their contents were lost once
+    # mapping them back first keeps only the KV cache's bytes lent until the KV cache itself is mapped
     standby.restore_weights()
     assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))
     standby.restore()
     assert fake_cuda["fraction"] == base
     # an engine dropped while released gives the loan back
     standby.release()
+    assert standby.weight_releases == 2
     del standby
     import gc
 

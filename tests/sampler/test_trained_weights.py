@@ -92,3 +92,119 @@ def test_a_full_finetuning_engine_holds_the_trained_parameters(monkeypatch):
     qkv = stand_in.param("model.layers.0.self_attn.qkv_proj.base_layer.weight")
     q = masters.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(qkv[: q.shape[0]], q.detach().to(torch.bfloat16))
+
+
+class _Standby:
+    """The KV standby's side of the contract: `release_also` (unmapping at once while released, which loses the
+    contents), `release` (the same for every handed allocation) and `restore_weights` (mapping them back empty)."""
+
+    def __init__(self, released: bool, grant: int = 96) -> None:
+        self.released, self.grant, self.handed, self.restored, self.weight_releases = released, grant, [], 0, 0
+
+    def release_also(self, tensors):
+        self.handed = list(tensors)
+        if self.handed and self.released:
+            self.weight_releases += 1
+        return self.grant if self.handed else 0
+
+    def release(self):
+        self.weight_releases += 1
+        return 0
+
+    def restore_weights(self):
+        self.restored += 1
+
+
+def test_only_copies_that_casts_rewrite_whole_are_released():
+    from trl_turbo.vllm.trained_weights import fully_rewritten
+
+    packed = torch.zeros(6, 4, dtype=torch.bfloat16)  # q | k | v rows, every row cast
+    padded = torch.zeros(5, 4, dtype=torch.bfloat16)  # an embedding with a padding row no cast writes
+    columns = torch.zeros(4, 4, dtype=torch.bfloat16)  # a region that is not contiguous
+    source = torch.zeros(1)
+    casts = [(source, packed[4:]), (source, packed[:2]), (source, packed[2:4]), (source, padded[:4]),
+             (source, columns[:, :2]), (source, columns[:, 2:])]
+    whole = fully_rewritten(casts)
+    assert [t.untyped_storage().data_ptr() for t in whole] == [packed.untyped_storage().data_ptr()]
+    gap = [(source, packed[:2]), (source, packed[3:])]  # row 2 is nobody's
+    assert fully_rewritten(gap) == []
+
+
+def test_released_copies_are_rewritten_before_vllm_reads_them():
+    from trl_turbo.vllm.trained_weights import WeightCopies, refresh, release_with_kv, stale
+
+    master = torch.nn.Parameter(torch.randn(4, 3))
+    engine = master.detach().to(torch.bfloat16).clone()
+    copies = WeightCopies(casts=[(master, engine)])
+    standby = _Standby(released=True)
+    assert release_with_kv(copies, standby) == 96
+    assert [t.data_ptr() for t in standby.handed] == [engine.data_ptr()]
+    assert copies.released_bytes == 96 and stale(copies, standby)  # released at once: contents gone
+    assert release_with_kv(copies, standby) == 0  # once
+    engine.fill_(float("nan"))  # what an unmapped-and-remapped allocation may hold
+    with torch.no_grad():
+        master.mul_(2.0)
+    refresh(copies, standby)
+    assert standby.restored == 1 and not stale(copies, standby)
+    assert torch.equal(engine, master.detach().to(torch.bfloat16))
+    standby.release()  # however the standby is released (a generation, or a check outside one), they are stale
+    assert stale(copies, standby)
+
+
+def test_nothing_is_released_without_standby_or_casts():
+    from trl_turbo.vllm.trained_weights import WeightCopies, refresh, release_with_kv, stale
+
+    assert release_with_kv(WeightCopies(), _Standby(released=True)) == 0
+    master = torch.nn.Parameter(torch.randn(2, 2))
+    copies = WeightCopies(casts=[(master, torch.zeros(2, 2, dtype=torch.bfloat16))])
+    assert release_with_kv(copies, None) == 0 and not stale(copies, None)
+    standby = _Standby(released=False)
+    assert release_with_kv(copies, standby) == 96 and not stale(copies, standby)  # mapped until the next release
+    refresh(copies, None)
+    assert standby.restored == 0
+
+
+def test_a_generation_refreshes_copies_released_since_the_last_sync(monkeypatch):
+    """TRL syncs only when the step changed; a second generation in the same step must still find the copies
+    written, and they are written before the KV cache is mapped."""
+    from trl_turbo.vllm import session
+    from trl_turbo.vllm.engine_plan import EngineState
+    from trl_turbo.vllm.trained_weights import WeightCopies
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 2))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    order = []
+
+    class Standby(_Standby):
+        def restore_weights(self):
+            order.append("restore_weights")
+
+        def restore(self):
+            order.append("restore_kv")
+            return 0
+
+        def release(self):
+            order.append("release")
+            return super().release()
+
+    master = torch.nn.Parameter(torch.randn(4, 3))
+    engine = torch.zeros(4, 3, dtype=torch.bfloat16)
+    state = EngineState()
+    state.full_finetuning = True
+    state.standby = Standby(released=True)
+    state.standby.weight_releases = 1
+    state.weight_copies = WeightCopies(casts=[(master, engine)], released_bytes=96, written_at=0)
+    llm = object()
+    for _ in range(2):  # two generations without a sync between them: each finds its copies written
+        engine.zero_()
+        with session.generating(llm, state, torch.device("cpu")):
+            order.append("generate")
+            assert torch.equal(engine, master.detach().to(torch.bfloat16))
+    assert order == ["restore_weights", "restore_kv", "generate", "release"] * 2
+    assert "vllm/weight_copy_s" in state.metrics
+    order.clear()
+    session.sync_trained_weights(state)  # a step's sync writes them, so the generation after it does not again
+    with session.generating(llm, state, torch.device("cpu")):
+        order.append("generate")
+    assert order == ["restore_weights", "restore_kv", "generate", "release"]

@@ -106,8 +106,7 @@ def _wrap_sync_weights(original):
             result = None  # the base never changes; the adapter is merged (or quantized in) at each generation
         elif state is not None and state.full_finetuning:
             # the trained parameters are vLLM's weights; those it keeps a copy of are cast (or loaded) in place
-            if state.weight_copies is not None:
-                state.metrics["vllm/weight_copy_s"] = state.weight_copies.sync()
+            engine_session.sync_trained_weights(state)
             self.llm.reset_prefix_cache()
             result = None
         elif state is None or state.adapters is None:

@@ -199,9 +199,10 @@ def _give_back(loan: list[float | None]) -> None:
 class KVStandby:
     """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees.
 
-    With `also_release` (the fp8 sampling copy's tensors) the weight-pool allocations that hold nothing but those
-    tensors are unmapped and mapped back with the KV cache; their contents are lost, so the owner rewrites them after
-    each `restore`. An allocation that also holds anything else stays mapped (`resident_bytes` of the tensors)."""
+    With `also_release` (the fp8 sampling copy's tensors; later, `release_also`: full fine-tuning's 16-bit copies)
+    the weight-pool allocations that hold nothing but those tensors are unmapped and mapped back with the KV cache;
+    their contents are lost, so the owner rewrites them after each `restore_weights`. An allocation that also holds
+    anything else stays mapped (`resident_bytes` of the tensors)."""
 
     def __init__(self, llm: Any, also_release: Iterable[torch.Tensor] = ()) -> None:
         from vllm.device_allocator.cumem import CuMemAllocator
@@ -213,11 +214,10 @@ class KVStandby:
         if self.kv_bytes == 0:
             raise RuntimeError("trl_turbo: vLLM allocated no KV cache from its sleep-mode pool; the engine must be "
                                "built with `enable_sleep_mode=True`.")
-        tensors = list(also_release)
-        self._weight_allocations = self._allocations_holding_only(tensors)
-        released = sum(d.handle[1] for d in self._weight_allocations)
-        self.resident_bytes = max(0, sum(t.untyped_storage().nbytes() for t in tensors) - released)
-        self.bytes = self.kv_bytes + released
+        self._weight_allocations: list[Any] = []
+        self.weight_releases = 0  # times the weight allocations were unmapped (their contents lost each time)
+        self.resident_bytes = 0
+        self.bytes = self.kv_bytes
         self._weights_mapped = True
         # Device memory in use (all processes' view of this device) when the last generation ended, before the
         # release: what a training phase may grow back to without raising the step's peak (the memory plan's ceiling)
@@ -225,6 +225,29 @@ class KVStandby:
         # torch's fraction before a release lent it the unmapped bytes; given back if the engine goes while released
         self._loan: list[float | None] = [None]
         weakref.finalize(self, _give_back, self._loan).atexit = False
+        self.release_also(also_release)
+
+    def release_also(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Release the weight-pool allocations that hold nothing but `tensors` with the KV cache from now on (at once
+        while it is released); returns the bytes that adds."""
+        tensors = list(tensors)
+        known = {id(data) for data in self._weight_allocations}
+        new = [data for data in self._allocations_holding_only(tensors) if id(data) not in known]
+        added = sum(data.handle[1] for data in new)
+        self.resident_bytes += max(0, sum(t.untyped_storage().nbytes() for t in tensors) - added)
+        if new and self.released and not self._weights_mapped:
+            from vllm.device_allocator.cumem import unmap_and_release
+
+            torch.cuda.synchronize()
+            for data in new:
+                unmap_and_release(data.handle)
+                vllm_api().mark_mapped(data, False)
+            self.weight_releases += 1
+            recall_unmapped(self._loan[0])
+            self._loan[0] = lend_unmapped(self.bytes + added)
+        self._weight_allocations += new
+        self.bytes += added
+        return added
 
     def _kv_allocations(self) -> list[Any]:
         return [d for d in self._allocator.pointer_to_data.values() if d.tag == "kv_cache"]
@@ -245,7 +268,8 @@ class KVStandby:
         return allocations
 
     def release(self) -> int:
-        """Unmap the KV cache (its contents are discarded), and the fp8 copy's allocations; returns the bytes freed."""
+        """Unmap the KV cache (its contents are discarded) and the weight allocations released with it; returns the
+        bytes freed."""
         from vllm.device_allocator.cumem import unmap_and_release
 
         if self.released:
@@ -255,6 +279,8 @@ class KVStandby:
         free, total = torch.cuda.mem_get_info()
         self.generation_in_use_bytes = total - free
         released = self._kv_allocations() + (self._weight_allocations if self._weights_mapped else [])
+        if self._weight_allocations and self._weights_mapped:
+            self.weight_releases += 1
         for data in released:
             unmap_and_release(data.handle)
             vllm_api().mark_mapped(data, False)
@@ -264,8 +290,8 @@ class KVStandby:
         return self.bytes
 
     def restore_weights(self) -> None:
-        """Map the fp8 copy's allocations back alone (contents undefined: the owner writes them next), so they can be
-        written while the device does not hold the KV cache yet."""
+        """Map the released weight allocations back alone (contents undefined: the owner writes them next), so they
+        can be written while the device does not hold the KV cache yet."""
         from vllm.device_allocator.cumem import create_and_map
 
         if self.released and not self._weights_mapped:
@@ -277,8 +303,8 @@ class KVStandby:
             self._weights_mapped = True
 
     def restore(self) -> int:
-        """Map the KV cache (and the fp8 copy's allocations) back at their addresses and reinitialise what lives in
-        the KV cache; returns the bytes mapped."""
+        """Map the KV cache (and the weight allocations released with it) back at their addresses and reinitialise
+        what lives in the KV cache; returns the bytes mapped."""
         from vllm.device_allocator.cumem import create_and_map
 
         if not self.released:

@@ -406,6 +406,8 @@ def drain_metrics(generation: Any) -> dict[str, float]:
         metrics["vllm/merged_host_copy_gib"] = state.merged.host_bytes / _GIB
     if state.shared_bytes:
         metrics["vllm/shared_weights_gib"] = state.shared_bytes / _GIB
+    if state.weight_copies is not None and state.weight_copies.released_bytes:
+        metrics["vllm/released_copies_gib"] = state.weight_copies.released_bytes / _GIB
     if state.copy_bytes:
         metrics["vllm/separate_copy_gib"] = state.copy_bytes / _GIB
     return metrics

@@ -3,10 +3,11 @@ each generation (`generating`).
 
 Design decision: the order is the memory plan of a generation, so it lives in one place, as feature code: torch's
 cached blocks go back to the driver first; then the adapter reaches the sampler's weights (merged into the shared
-copy, or quantized into the fp8 copy while the 16-bit weights leave the device) before the KV cache is mapped; after
-sampling the KV cache (and the fp8 copy) are released first, and only then are the base weights restored or brought
-back, on every way out (a return, an exception, a KeyboardInterrupt). vLLM is reached only through
-`trl_turbo.vllm.engine`; the TRL seam (`patches.trl_vllm`) calls these two functions and carries the LoRA request.
+copy, or quantized into the fp8 copy while the 16-bit weights leave the device), and full fine-tuning's released
+16-bit copies are rewritten, before the KV cache is mapped; after sampling the KV cache (and what was released with
+it) goes first, and only then are the base weights restored or brought back, on every way out (a return, an
+exception, a KeyboardInterrupt). vLLM is reached only through `trl_turbo.vllm.engine`; the TRL seam
+(`patches.trl_vllm`) calls these functions and carries the LoRA request.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from .. import registry
 from ..config import SamplingMode
 from . import engine as vllm_engine
+from . import trained_weights
 from .engine_plan import EnginePlan, EngineState, engine_facts, fp8_parking, warn_fp8_parking
 from .fp8 import Fp8Sampling
 from .merge import MergedSampling
@@ -63,6 +65,7 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
             state.adapters = vllm_engine.TensorAdapters(llm)
     if plan.standby:
         state.standby = vllm_engine.KVStandby(llm, also_release=release_with_kv)
+        trained_weights.release_with_kv(state.weight_copies, state.standby)  # sharded: once FSDP2 has sharded
         state.standby.release()
     if sampling is SamplingMode.FP8:
         # The matrices the fp8 copy is written from come back to the device only now, after the KV cache and the
@@ -76,6 +79,13 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
                                 park_base=parks)
     return state, plan
+
+
+def sync_trained_weights(state: EngineState) -> None:
+    """Full fine-tuning's weight sync: the trained parameters that are not vLLM's memory are written into vLLM's
+    copies (mapped back first where they were released with the KV cache)."""
+    if state.weight_copies is not None:
+        state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(state.weight_copies, state.standby)
 
 
 @contextlib.contextmanager
@@ -92,6 +102,9 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
         if merged is not None:
             merged.merge()  # before the KV cache is mapped: its fp32 scratch is freed by then
             torch.cuda.empty_cache()
+        copies = state.weight_copies
+        if copies is not None and trained_weights.stale(copies, standby):  # released since the last sync wrote them
+            state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(copies, standby)
         if fp8 is not None:
             if standby is not None:
                 standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache

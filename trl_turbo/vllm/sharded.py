@@ -27,7 +27,7 @@ from ..sharding.shard_placement import ShardPlacementFn, plan_model
 from ..sharding.tp_layout import TPLayout
 from . import engine as vllm_engine
 from .merge import MergedSampling
-from .trained_weights import WeightCopies
+from .trained_weights import WeightCopies, release_with_kv
 from .weight_views import LayoutMismatch, hf_weight_name
 
 PENDING_ATTRIBUTE = "_trl_turbo_sharded_share"  # on the policy model, from engine start until FSDP2 wraps it
@@ -124,6 +124,7 @@ class ShardedShare:
         if result.casts or result.reloads:  # trained parameters vLLM keeps a copy of: refreshed at each sync
             self.state.weight_copies = WeightCopies(casts=result.casts, reloads=result.reloads, load=engine.load,
                                                     shared_bytes=result.shared_bytes)
+            release_with_kv(self.state.weight_copies, self.state.standby)  # the standby came with the engine
         if self.merged:
             self.state.merged = merged_on_shards(model, result)
         if torch.cuda.is_available():

@@ -8,6 +8,9 @@ parameters next to a 16-bit engine), vLLM keeps its own 16-bit tensors and each 
 slice in place (`WeightCopies`): device-to-device copies, no gather, no `load_weights`. Under FSDP2 each rank does
 the same with its shards (`trl_turbo.sharding.adopt`): a shard that is its vLLM slice is adopted or cast into it, and
 what vLLM lays out otherwise (norms, a padded vocabulary) is gathered and loaded through vLLM's own loader each sync.
+With standby, the 16-bit copies that casts rewrite whole are released with the KV cache while training
+(`release_with_kv`): they are rewritten before the next generation anyway, so they need not hold device memory in
+between. A released copy is refreshed before vLLM reads it even when TRL skips a sync (`refresh`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +35,8 @@ class WeightCopies:
     reloads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     load: Callable[[str, torch.Tensor], None] | None = None
     shared_bytes: int = 0  # training parameters that are vLLM's memory (nothing to copy)
+    released_bytes: int = 0  # vLLM's copies released with the KV cache between generations
+    written_at: int = 0  # the standby's `weight_releases` when the released copies were last written
 
     @property
     def cast_bytes(self) -> int:
@@ -78,3 +84,52 @@ def share_trained_weights(params: Sequence[tuple[str, torch.nn.Parameter]], regi
         param.data = region
         copies.shared_bytes += region.numel() * region.element_size()
     return copies
+
+
+def fully_rewritten(casts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """One tensor per vLLM storage that the casts' targets cover entirely (contiguous regions whose byte ranges
+    together span the storage): the storages a sync rewrites whole, whose contents may be discarded in between. A
+    storage with a byte no cast writes (padding rows, a region loaded some other way) is left out."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for _, target in casts:
+        by_storage.setdefault(target.untyped_storage().data_ptr(), []).append(target)
+    whole = []
+    for targets in by_storage.values():
+        if not all(target.is_contiguous() for target in targets):
+            continue
+        size = targets[0].element_size()
+        spans = sorted((t.storage_offset() * size, (t.storage_offset() + t.numel()) * size) for t in targets)
+        covered = 0
+        for start, end in spans:
+            if start > covered:
+                break
+            covered = max(covered, end)
+        if covered >= targets[0].untyped_storage().nbytes():
+            whole.append(targets[0])
+    return whole
+
+
+def release_with_kv(copies: WeightCopies | None, standby: Any) -> int:
+    """Hand the KV standby the vLLM copies that every sync rewrites whole, to release with the KV cache; returns the
+    bytes that adds (0: nothing to release, or done already). Called where the copies or the standby come into being,
+    whichever is later."""
+    if copies is None or standby is None or copies.released_bytes or not copies.casts:
+        return 0
+    copies.written_at = standby.weight_releases  # their values are current until the standby next unmaps them
+    copies.released_bytes = standby.release_also(fully_rewritten(copies.casts))
+    return copies.released_bytes
+
+
+def stale(copies: WeightCopies, standby: Any) -> bool:
+    """The standby unmapped vLLM's released copies after they were last written: their contents are undefined."""
+    return bool(copies.released_bytes) and standby is not None and copies.written_at != standby.weight_releases
+
+
+def refresh(copies: WeightCopies, standby: Any) -> float:
+    """Write the trained parameters into vLLM's copies, mapping released ones back first; returns the seconds."""
+    if copies.released_bytes and standby is not None:
+        standby.restore_weights()
+    seconds = copies.sync()
+    if standby is not None:
+        copies.written_at = standby.weight_releases
+    return seconds

@@ -4,7 +4,9 @@ each rank prints one ``RESULT {json}`` line for the test to assert on.
 
 Per rank, after training: how many of FSDP2's frozen shards live in vLLM's memory, whether each equals the
 checkpoint's slice that vLLM's layout gives this rank (bitwise, so the base never moved), the sampler's log-prob gap
-to the live (sharded) policy with and without its adapter, and the adapter sync times.
+to the live (sharded) policy with and without its adapter, whether vLLM's greedy tokens are the policy's own best
+tokens, and the adapter sync times. With ``fault`` as a third argument the run trains 20 steps and one generation in
+the middle of them fails inside vLLM; the shards are compared with the checkpoint right after it and at the end.
 """
 
 from __future__ import annotations
@@ -78,8 +80,59 @@ def trained_gaps(trainer: Any, checkpoint: Path, prompts: int = 8, tokens: int =
     return float(torch.stack(gaps["trained"]).mean()), float(torch.stack(gaps["start"]).mean())
 
 
-def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]:
-    """`sampling`: a LoRA run's sampling mode, or "full" (full fine-tuning, no adapter)."""
+@torch.no_grad()
+def greedy_agreement(trainer: Any, prompts: int = 8, tokens: int = 12, margin: float = 0.1) -> dict[str, int]:
+    """vLLM's greedy continuations read by the trainer's policy (sharded, with its adapter): at every position where
+    the policy's best token leads its runner-up by more than `margin` nats, vLLM must have picked that token. Each
+    position is conditioned on vLLM's own prefix, so this is what HF's greedy `generate` of the gathered model would
+    produce, minus the positions whose near-ties bf16 rounding may break either way."""
+    from vllm import SamplingParams
+
+    from trl_turbo.testing.tokenizer import VOCAB
+    from trl_turbo.testing.vllm_checks import engine_generate
+
+    token_ids = [[3 + (11 * i + 5 * j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
+    outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    device = trainer.accelerator.device
+    compared = mismatched = 0
+    trainer.model.eval()
+    for prompt, output in zip(token_ids, outputs):
+        completion = torch.tensor(list(output.outputs[0].token_ids))
+        ids = torch.tensor([prompt + completion.tolist()], device=device)
+        best = trainer.model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1).topk(2, dim=-1)
+        clear = ((best.values[:, 0] - best.values[:, 1]) > margin).cpu()
+        compared += int(clear.sum())
+        mismatched += int((clear & (best.indices[:, 0].cpu() != completion)).sum())
+    trainer.model.train()
+    return {"compared": compared, "mismatched": mismatched, "positions": prompts * tokens}
+
+
+class InjectedFault(RuntimeError):
+    """The failure a fault run raises inside vLLM's generate."""
+
+
+def fail_one_generation(trainer: Any) -> bool:
+    """Run one generation through TRL's seam whose vLLM call raises (on every rank, so no collective is left
+    waiting); returns whether the failure came out of the seam."""
+    generation = trainer.vllm_generation
+    llm = generation.llm
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise InjectedFault("injected: vLLM failed mid-generation")
+
+    llm.generate = failing  # an instance attribute over the class's method
+    try:
+        generation.generate([[3, 4, 5, 6]], None, 1)
+    except InjectedFault:
+        return True
+    finally:
+        del llm.generate
+    return False
+
+
+def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | None = None) -> dict[str, Any]:
+    """`sampling`: a LoRA run's sampling mode, or "full" (full fine-tuning, no adapter). `fault_at`: the step after
+    which one generation fails inside vLLM."""
     from transformers import TrainerCallback
 
     from trl_turbo.testing.vllm_checks import build_trainer, eager_engines, logprob_gaps, randomize_adapter
@@ -93,11 +146,15 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]
     if not full:
         randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
     used: list[float] = []
+    fault: dict[str, Any] = {}
 
     class Record(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             free, total = torch.cuda.mem_get_info()
             used.append((total - free) / 2**30)
+            if state.global_step == fault_at:
+                fault["raised"] = fail_one_generation(trainer)
+                fault["differing_right_after"] = shard_report(trainer, workdir)["differing_from_checkpoint"]
 
     trainer.add_callback(Record())
     trainer.train()
@@ -111,6 +168,8 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]
         **shard_report(trainer, workdir),
         # collective: every rank runs the same forwards
         "gaps_after": trained_gaps(trainer, workdir) if full else logprob_gaps(trainer),
+        "greedy": greedy_agreement(trainer),
+        "fault": fault,
         "weight_sync_s": [log["vllm/weight_sync_s"] for log in logs if "vllm/weight_sync_s" in log],
         "shared_weights_gib": [log["vllm/shared_weights_gib"] for log in logs if "vllm/shared_weights_gib" in log],
         "losses": [log["loss"] for log in logs if "loss" in log],
@@ -121,6 +180,8 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3) -> dict[str, Any]
 
 if __name__ == "__main__":
     rank = int(os.environ.get("RANK", 0))
-    result = {"rank": rank, **run(Path(sys.argv[1]) / f"rank{rank}", sys.argv[2] if len(sys.argv) > 2 else "auto")}
+    faulty = len(sys.argv) > 3 and sys.argv[3] == "fault"
+    result = {"rank": rank, **run(Path(sys.argv[1]) / f"rank{rank}", sys.argv[2] if len(sys.argv) > 2 else "auto",
+                                  steps=20 if faulty else 3, fault_at=10 if faulty else None)}
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # skip interpreter teardown of the in-process engine

@@ -23,3 +23,24 @@ def test_accuracy_reward_reads_the_last_integer() -> None:
 
 def test_difference_noise() -> None:
     assert addition.difference_noise(0.5, 0.5, 100) == (0.005) ** 0.5
+
+
+def test_accuracy_of_replies() -> None:
+    assert addition.accuracy_of(["it is 74", "75", "the sum: 3"], ["74", "74", "3"]) == 2 / 3
+
+
+def test_greedy_replies_answer_every_problem_and_leave_the_mode() -> None:
+    import torch
+
+    from trl_turbo.testing.models import tiny_model
+    from trl_turbo.testing.tokenizer import VOCAB, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = tiny_model("llama", vocab_size=len(VOCAB), dtype=torch.float32)
+    model.train()
+    _, held_out = addition.problems()
+    problems = held_out.select(range(3))
+    replies = addition.greedy_replies(model, tokenizer, problems, batch=2)
+    assert len(replies) == 3 and all(isinstance(reply, str) for reply in replies)
+    assert model.training and tokenizer.padding_side == build_tokenizer().padding_side
+    assert addition.held_out_accuracy(model, tokenizer, problems) == addition.accuracy_of(replies, problems["answer"])

@@ -27,6 +27,7 @@ from .results import DEFAULT_RESULTS_DIR, finish_figure
 VARIANTS = ("stock", "turbo", "turbo-fp8")
 LORA = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
 SMOOTHING_STEPS = 10
+REPLIES_KEPT = 4  # greedy held-out replies kept in the row at each evaluation
 
 
 def parse_jobs(text: str) -> list[tuple[str, int]]:
@@ -64,6 +65,7 @@ def tail_mean(values: list[float | None], count: int) -> float | None:
 def run(args: argparse.Namespace) -> Path:
     import torch
 
+    from ..tasks import addition
     from .results import metadata
 
     jobs = parse_jobs(args.jobs)
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> Path:
     common = {"steps": args.steps, "eval_every": args.eval_every, "prompts": args.prompts,
               "generations": args.generations, "learning_rate": args.learning_rate, "temperature": args.temperature,
               "lora": LORA, "model": model}
-    config = {**common, "jobs": [f"{variant}:{seed}" for variant, seed in jobs], "gpus": gpus,
+    config = {**common, "max_completion": addition.MAX_COMPLETION,
+              "jobs": [f"{variant}:{seed}" for variant, seed in jobs], "gpus": gpus,
               "variant_config": {variant: VARIANT_CONFIG[variant] for variant in {v for v, _ in jobs}}}
     meta = metadata("curves", torch.device("cuda", 0), config)
     specs = [{**common, "name": f"{variant}:{seed}", "variant": variant, "seed": seed} for variant, seed in jobs]
@@ -176,7 +179,9 @@ def run_job(spec: dict[str, Any], row: dict[str, Any] | None = None) -> dict[str
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
 
     def evaluate(model: Any, step: int) -> None:
-        accuracy.append((step, addition.held_out_accuracy(model, tokenizer, held_out)))
+        replies = addition.greedy_replies(model, tokenizer, held_out)
+        accuracy.append((step, addition.accuracy_of(replies, held_out["answer"])))
+        row.setdefault("replies", []).append((step, replies[:REPLIES_KEPT]))  # what the policy has become
         row.update(steps_done=step, train_s=time.perf_counter() - train_start, final_accuracy=accuracy[-1][1],
                    tail_reward=tail_mean([entry.get("reward") for entry in log], SMOOTHING_STEPS))
         save_row(spec, row)

@@ -44,26 +44,35 @@ def accuracy_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: 
 
 
 @torch.no_grad()
-def held_out_accuracy(model: torch.nn.Module, tokenizer: Any, held_out: datasets.Dataset, batch: int = 50) -> float:
-    """Greedy-decoded accuracy on `held_out`; the model's train/eval mode is left as it was (TRL files a step's
-    metrics under the mode it finds the model in)."""
+def greedy_replies(model: torch.nn.Module, tokenizer: Any, problems: datasets.Dataset, batch: int = 50) -> list[str]:
+    """The model's greedy replies to `problems`' prompts (at most MAX_COMPLETION tokens); the model's train/eval mode
+    is left as it was (TRL files a step's metrics under the mode it finds the model in)."""
     was_training = model.training
     model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    correct = 0
+    replies: list[str] = []
     try:
-        for start in range(0, len(held_out), batch):
-            rows = held_out[start:start + batch]
+        for start in range(0, len(problems), batch):
+            rows = problems[start:start + batch]
             inputs = tokenizer.apply_chat_template(rows["prompt"], add_generation_prompt=True, padding=True,
                                                    return_tensors="pt", return_dict=True).to(model.device)
             output = model.generate(**inputs, max_new_tokens=MAX_COMPLETION, do_sample=False,
                                     pad_token_id=tokenizer.pad_token_id)
-            replies = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            correct += sum(last_integer(reply) == answer for reply, answer in zip(replies, rows["answer"]))
+            replies += tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
-    return correct / len(held_out)
+    return replies
+
+
+def accuracy_of(replies: Sequence[str], answers: Sequence[str]) -> float:
+    """Share of `replies` whose last integer is the answer."""
+    return sum(last_integer(reply) == answer for reply, answer in zip(replies, answers)) / len(answers)
+
+
+def held_out_accuracy(model: torch.nn.Module, tokenizer: Any, held_out: datasets.Dataset) -> float:
+    """Greedy-decoded accuracy on `held_out`."""
+    return accuracy_of(greedy_replies(model, tokenizer, held_out), held_out["answer"])
 
 
 def difference_noise(before: float, after: float, count: int) -> float:

@@ -13,6 +13,9 @@ tokenizer over its whole vocabulary (nothing is downloaded).
 Each row also gets its roofline (`bench.roofline`): generation against its decode floor and the training phase's
 model FLOP utilization, under the read bandwidth and matmul rate measured once per command (`bench.hardware`).
 
+Peers: the ``unsloth`` variants run Unsloth's own GRPO recipe in a child of their own (`peers`, `unsloth_child`),
+measured by the same code (`measure`).
+
 Several GPUs: a launch other than ``1gpu`` names one of TRL's shipped accelerate configs (``multi_gpu``, ``zero2``,
 …); the variant's child is then ``accelerate launch`` of this module, each rank samples its own GPU and writes its
 own row, and the driver merges them (peak: the largest of any GPU; step time: the slowest rank's median). Every rank
@@ -42,8 +45,9 @@ from .. import registry
 from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
-from . import parse_turbo_overrides
+from . import parse_turbo_overrides, peers
 from .hardware import measure as measure_hardware
+from .peers import PEER_VARIANTS
 from .quantized_checkpoint import save_4bit_checkpoint
 from .results import DEFAULT_RESULTS_DIR, GIB
 from .roofline import format_roofline, row_roofline
@@ -65,7 +69,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "anchor": {"prompts": 1, "generations": 8, "completion_len": 4096, "micro_batch": 8},
     "realistic": {"prompts": 8, "generations": 8, "completion_len": 2048, "micro_batch": 16},
 }
-VARIANTS = tuple(VARIANT_CONFIG)
+VARIANTS = (*VARIANT_CONFIG, *PEER_VARIANTS)  # the peers run their own recipe (`peers`)
 CHECKPOINT_MARKER = "trl_turbo_checkpoint.json"
 SAMPLE_PERIOD_S = 0.02
 TIMELINE_PERIOD_S = 0.25
@@ -248,10 +252,43 @@ _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy",
            "memory_plan/layer_activation_gib", "memory_plan/predicted_peak_gib")
 
 
-def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build the trainer of one variant, train ``steps`` steps, return its row (runs in the child process)."""
-    import torch
+def new_row(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The fields every row starts with, from its spec (and `extra`, such as a memory cap's)."""
+    return {**extra, "variant": spec["variant"], "shape": spec["shape"], "quantization": spec["quantization"],
+            "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
+            "micro_batch": spec["micro_batch"], "prompt_len": spec["prompt_len"],
+            "completion_len": spec["completion_len"], "ok": False, "error": None,
+            "rank": int(os.environ.get("RANK", 0)), "processes": int(os.environ.get("WORLD_SIZE", 1))}
+
+
+def grpo_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """The GRPOConfig every variant shares: the workload, the optimizer and TRL's colocated vLLM."""
+    per_step = spec["prompts"] * spec["generations"]  # completions generated (and trained on) per optimizer step
+    return dict(
+        output_dir=spec["output_dir"], seed=spec["seed"], bf16=True, beta=0.0, learning_rate=1e-5,
+        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=per_step // spec["micro_batch"],
+        num_generations=spec["generations"],
+        max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
+        report_to="none", save_strategy="no",
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
+        vllm_tensor_parallel_size=spec.get("vllm_tp", 1),
+        generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
+    )
+
+
+def workload_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
+    """The prompts of every step of every rank."""
     from datasets import Dataset
+
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    return Dataset.from_dict({"prompt": prompts(spec["steps"] * processes * spec["prompts"], spec["prompt_len"],
+                                                tokenizer.vocab_size, spec["seed"])})
+
+
+def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the trainer of one of stock TRL's or trl_turbo's variants, train ``steps`` steps, return its row (runs in
+    the child process)."""
+    import torch
     from peft import LoraConfig
 
     from .. import run_plan
@@ -266,52 +303,53 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.init()
     cap = (cap_process_memory(int(spec["gpu_gib"] * GIB), device, others_bytes=spec["device_used_before"])
            if spec.get("gpu_gib") is not None else {})
-    processes = int(os.environ.get("WORLD_SIZE", 1))
-    row: dict[str, Any] = {**cap, "variant": variant, "shape": spec["shape"], "quantization": spec["quantization"],
-                           "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
-                           "micro_batch": spec["micro_batch"],
-                           "prompt_len": spec["prompt_len"], "completion_len": spec["completion_len"], "ok": False,
-                           "error": None, "rank": int(os.environ.get("RANK", 0)), "processes": processes}
-    per_step = spec["prompts"] * spec["generations"]  # completions generated (and trained on) per optimizer step
-    config = GRPOConfig(
-        output_dir=spec["output_dir"], seed=spec["seed"], bf16=True, beta=0.0, learning_rate=1e-5,
-        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=per_step // spec["micro_batch"],
-        num_generations=spec["generations"],
-        max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
-        gradient_checkpointing=True, report_to="none", save_strategy="no",
-        model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized: its config says how
-        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
-        vllm_tensor_parallel_size=spec.get("vllm_tp", 1),
-        generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
-        **spec["variant_config"][variant],
-    )
+    config = GRPOConfig(**grpo_kwargs(spec), gradient_checkpointing=True,
+                        model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized
+                        **spec["variant_config"][variant])
     tokenizer = load_tokenizer(spec["checkpoint"])
-    dataset = Dataset.from_dict({"prompt": prompts(spec["steps"] * processes * spec["prompts"], spec["prompt_len"],
-                                                   tokenizer.vocab_size, spec["seed"])})
+
+    def build() -> Any:
+        return GRPOTrainer(
+            model=spec["checkpoint"], reward_funcs=hashed_reward, args=config,
+            train_dataset=workload_dataset(spec, tokenizer), processing_class=tokenizer,
+            peft_config=None if spec.get("lora") is None else LoraConfig(
+                r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
+                target_modules=spec["lora"]["target_modules"], task_type="CAUSAL_LM"),
+        )
+
+    def describe(trainer: Any, row: dict[str, Any]) -> None:
+        row["liger_layers"] = variant != "stock" and run_plan.of(trainer).memory.liger  # resolved from auto
+        if variant != "stock":
+            row["run_plan"] = run_plan.of(trainer).describe()  # the decisions the row was measured under
+        # the plan's mode: under FSDP2 the engine sets it up only when training starts
+        engine = run_plan.of(trainer).engine if variant != "stock" else None
+        row["sampling"] = None if engine is None or engine.sampling is None else engine.sampling.value
+
+    return measure(spec, device, build, describe, new_row(spec, **cap))
+
+
+def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """Build a trainer with `build()`, let `describe(trainer, row)` add what only that variant knows, train it under
+    the instrumentation every variant shares, and return `row` with its steps: the one way a row is measured, for
+    TRL's variants and the peers' alike."""
+    import torch
+
     steps: list[dict[str, Any]] = []
     trainer = None
     with MemorySampler(device) as sampler:
         try:
             start = time.perf_counter()
-            trainer = GRPOTrainer(
-                model=spec["checkpoint"], reward_funcs=hashed_reward, args=config, train_dataset=dataset,
-                processing_class=tokenizer,
-                peft_config=None if spec.get("lora") is None else LoraConfig(
-                    r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
-                    target_modules=spec["lora"]["target_modules"], task_type="CAUSAL_LM"),
-            )
+            trainer = build()
             torch.cuda.synchronize()
             row["init_s"] = time.perf_counter() - start
             row["init_used_gib"] = sampler.used() / GIB
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
-            row["liger_layers"] = variant != "stock" and run_plan.of(trainer).memory.liger  # resolved from auto
-            if variant != "stock":
-                row["run_plan"] = run_plan.of(trainer).describe()  # the decisions the row was measured under
-            # the plan's mode: under FSDP2 the engine sets it up only when training starts
-            engine = run_plan.of(trainer).engine if variant != "stock" else None
-            row["sampling"] = None if engine is None or engine.sampling is None else engine.sampling.value
-            row.update(weight_accounting(trainer))
-            row.update(cumem_pools())
+            describe(trainer, row)
+            try:  # what lives where is read through vLLM's internals: a reading that fails loses only itself
+                row.update(weight_accounting(trainer))
+                row.update(cumem_pools())
+            except Exception as exc:
+                row["accounting_error"] = f"{type(exc).__name__}: {exc}"
 
             def save_progress() -> None:  # a variant stopped by its timeout still leaves its finished steps
                 partial = {**row, "error": "stopped before the last step", "steps": steps,
@@ -431,8 +469,12 @@ def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         row_paths = [Path(scratch) / f"row{rank}.json" for rank in range(processes)]
         spec_path.write_text(json.dumps({**spec, "row_dir": scratch}))
         try:
-            process = run_launch([*launch_command(spec["launch"], processes), str(spec_path)], timeout=timeout_s,
-                                 env=fresh_rendezvous_env(), capture=False)
+            if peers.is_peer(spec["variant"]):
+                command, env = peers.child_command(spec_path), peers.child_env(fresh_rendezvous_env(),
+                                                                               spec["unsloth_site"])
+            else:
+                command, env = [*launch_command(spec["launch"], processes), str(spec_path)], fresh_rendezvous_env()
+            process = run_launch(command, timeout=timeout_s, env=env, capture=False)
             failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
         except subprocess.TimeoutExpired:
             failure = f"timed out after {timeout_s:.0f} s"
@@ -458,7 +500,7 @@ def run(args: argparse.Namespace) -> Path:
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
     overrides = parse_turbo_overrides(args.turbo_set)
     for variant in variants:
-        clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
+        clash = sorted(set(overrides) & set(VARIANT_CONFIG.get(variant, {})))
         if clash and variant != "stock":
             raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
     launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
@@ -466,6 +508,10 @@ def run(args: argparse.Namespace) -> Path:
         raise SystemExit("--gpu-gib caps a one-GPU run; leave --launches at 1gpu")
     if args.vllm_tp > 1 and (SINGLE_GPU in launches or args.processes % args.vllm_tp):
         raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {args.processes}, without a 1gpu launch")
+    refused = peers.refusals(variants, launches, single_gpu=SINGLE_GPU, gpu_gib=args.gpu_gib,
+                             full_finetuning=args.full_finetuning, vllm_tp=args.vllm_tp, site=args.unsloth_site)
+    if refused:
+        raise SystemExit("; ".join(refused))
     if args.gpu_gib is not None and args.gpu_gib <= 0:
         raise SystemExit(f"--gpu-gib must be a positive number of GiB, got {args.gpu_gib}")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -510,7 +556,8 @@ def run(args: argparse.Namespace) -> Path:
             for variant in variants:
                 processes = config["processes_per_launch"][launch]
                 spec = {"variant": variant, "launch": launch, "processes": processes, "checkpoint": str(checkpoint),
-                        "output_dir": output_dir, "device_used_before": total - free, **config}
+                        "output_dir": output_dir, "device_used_before": total - free,
+                        "unsloth_site": args.unsloth_site, **config}
                 row = _run_child(spec, args.variant_timeout)
                 row["roofline"] = row_roofline(row, config, hardware)
                 rows.append(row)
@@ -525,7 +572,10 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def variant_config(variant: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """What `variant` adds to the common GRPOConfig; the turbo variants also take the `--turbo-set` overrides."""
+    """What `variant` adds to the common GRPOConfig (a peer: to its own loader's arguments); the turbo variants also
+    take the `--turbo-set` overrides."""
+    if peers.is_peer(variant):
+        return dict(PEER_VARIANTS[variant])
     return dict(VARIANT_CONFIG[variant]) if variant == "stock" else {**VARIANT_CONFIG[variant], **overrides}
 
 
@@ -660,6 +710,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--turbo-set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a trl_turbo GRPOConfig field for the turbo variants (repeatable; VALUE as JSON)")
     parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")
+    parser.add_argument("--unsloth-site", default=os.environ.get("TRL_TURBO_UNSLOTH_SITE"),
+                        help="site directory with Unsloth and its pins, for the unsloth variants (docs/benchmarks.md)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)

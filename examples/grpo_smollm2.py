@@ -7,8 +7,8 @@ fetched and converted once, cached and offline after that); the problems are the
 difference below zero), so the correctness reward has room to rise. The reply is free-form ("The result of 48 + 26 is
 74."); its last integer is the answer. Completions are sampled at temperature 0.5: at 1.0 only ~2% of this model's
 replies are right, too few for GRPO's group advantages. 30 steps of 2 prompts x 8 completions (LoRA r=16, lr 5e-4,
-beta=0) raised held-out greedy accuracy from 29.5% to 56.5% with the default seed (0); with `--seed 1` the replies
-drifted to the 16-token cap and accuracy stayed at 30.5%, so the recipe is not yet robust across seeds. A progress
+beta=0) raised held-out greedy accuracy from 29.5% to 56.5% with the default seed (0), to 30.5% with seed 1 and to
+43.0% with seed 2, so the recipe is not yet robust across seeds (docs/usage.md says more). A progress
 bar and a compact table replace TRL's per-step dictionaries (a callback of this script; TRL is not patched for it).
 ``--vllm`` runs the same on a GPU with a colocated vLLM engine that shares the base weights and releases its KV cache
 while training.

@@ -213,9 +213,11 @@ def _timed(sampler: MemorySampler, phase: str, totals: dict[str, float], key: st
 
 
 def weight_accounting(trainer: Any) -> dict[str, float]:
-    """GiB of HF parameters, of vLLM's parameters, of HF parameters that live inside vLLM's, and what is distinct."""
+    """GiB of HF parameters on the device (a sharded one: this rank's shard), of vLLM's parameters, of HF parameters
+    that live inside vLLM's, and what is distinct."""
     model = trainer.model
-    hf = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda"}
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    hf = {p.data_ptr(): p.numel() * p.element_size() for p in local if p.device.type == "cuda"}
     spans = []
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     if llm is not None:
@@ -345,13 +347,19 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
             row["init_used_gib"] = sampler.used() / GIB
             row["init_peak_gib"] = max(sampler.take_peaks().values(), default=0) / GIB
             describe(trainer, row)
-            try:  # what lives where is read through vLLM's internals: a reading that fails loses only itself
-                row.update(weight_accounting(trainer))
-                row.update(cumem_pools())
-            except Exception as exc:
-                row["accounting_error"] = f"{type(exc).__name__}: {exc}"
+
+            def account() -> None:  # read through vLLM's internals: a reading that fails loses only itself
+                try:
+                    row.update(weight_accounting(trainer))
+                    row.update(cumem_pools())
+                except Exception as exc:
+                    row["accounting_error"] = f"{type(exc).__name__}: {exc}"
+
+            account()
 
             def save_progress() -> None:  # a variant stopped by its timeout still leaves its finished steps
+                if len(steps) == 1:
+                    account()  # again: FSDP2 shards the model (and shares its shards) only when training starts
                 partial = {**row, "error": "stopped before the last step", "steps": steps,
                            "timeline": sampler.timeline, **summarize(steps, spec["warmup"])}
                 _row_path(spec).write_text(json.dumps(partial))

@@ -47,8 +47,8 @@ from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from . import parse_turbo_overrides, peers
 from .hardware import measure as measure_hardware
+from .layerwise_checkpoint import save_layerwise_checkpoint
 from .peers import PEER_VARIANTS
-from .quantized_checkpoint import save_4bit_checkpoint
 from .results import DEFAULT_RESULTS_DIR, GIB
 from .roofline import format_roofline, row_roofline
 
@@ -118,7 +118,9 @@ def prepare_checkpoint(shape: str, path: Path, seed: int, device: str,
     config = build_config(shape)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 3, 1, 2
     if QUANTIZATIONS[quantization].get("load_in_4bit"):
-        save_4bit_checkpoint(config, path, seed, device, QUANTIZATIONS[quantization])
+        save_layerwise_checkpoint(config, path, seed, device, QUANTIZATIONS[quantization])
+    elif not whole_model_fits(config, device):  # a 70B shape on one GPU: built and written a layer at a time
+        save_layerwise_checkpoint(config, path, seed, device)
     else:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -128,6 +130,19 @@ def prepare_checkpoint(shape: str, path: Path, seed: int, device: str,
     wordlevel_tokenizer(config.vocab_size).save_pretrained(path)
     marker.write_text(json.dumps(identity))
     return identity
+
+
+def whole_model_fits(config: Any, device: str, headroom: float = 0.9) -> bool:
+    """Whether the bf16 model of `config` fits in `headroom` of the device's free memory (a CPU always does)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if torch.device(device).type != "cuda":
+        return True
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    size = sum(param.numel() * param.element_size() for param in model.parameters())
+    return size <= headroom * torch.cuda.mem_get_info(torch.device(device))[0]
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -1,6 +1,6 @@
-"""The pre-quantized random checkpoint (`bench/quantized_checkpoint.py`): transformers loads it as a 4-bit model
-whose tensors are those its own 4-bit layers hold, and it is written without ever holding the 16-bit model (CPU,
-bitsandbytes' CPU kernels)."""
+"""The random checkpoint written a decoder layer at a time (`bench/layerwise_checkpoint.py`): transformers loads the
+4-bit one as a 4-bit model whose tensors are those its own 4-bit layers hold, and the 16-bit one as its own
+16-bit model; neither ever holds the whole model (CPU, bitsandbytes' CPU kernels)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import needs_bnb
 
-from trl_turbo.bench import quantized_checkpoint
+from trl_turbo.bench import layerwise_checkpoint
 from trl_turbo.planning.shapes import QUANTIZATIONS, SHAPES, build_config
 
 
@@ -36,8 +36,8 @@ def test_checkpoint_loads_as_transformers_own_4bit_model(shape, tmp_path):
                       num_key_value_heads=1, vocab_size=300)
     config = AutoConfig.for_model(params.pop("model_type"), **params)
     path = tmp_path / "ckpt"
-    quantized_checkpoint.save_4bit_checkpoint(config, path, seed=0, device="cpu", quantization=QUANTIZATIONS["nf4"],
-                                              shard_bytes=20_000)
+    layerwise_checkpoint.save_layerwise_checkpoint(config, path, seed=0, device="cpu",
+                                                   quantization=QUANTIZATIONS["nf4"], shard_bytes=20_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded, and every tensor is in the index
     assert set(index["weight_map"]) == set(_file_tensors(path))
@@ -71,7 +71,7 @@ def test_checkpoint_loads_as_transformers_own_4bit_model(shape, tmp_path):
 @needs_bnb
 def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
     live, most = [], [0]
-    materialise = quantized_checkpoint._materialise
+    materialise = layerwise_checkpoint._materialise
 
     def counting(module, model, device):
         materialise(module, model, device)
@@ -80,10 +80,11 @@ def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
         most[0] = max(most[0], sum(1 for m in layers if type(m).__name__.endswith("DecoderLayer")))
         return module
 
-    monkeypatch.setattr(quantized_checkpoint, "_materialise", counting)
+    monkeypatch.setattr(layerwise_checkpoint, "_materialise", counting)
     config = build_config("tiny")
     config.num_hidden_layers = 4
-    quantized_checkpoint.save_4bit_checkpoint(config, tmp_path, seed=0, device="cpu", quantization=QUANTIZATIONS["nf4"])
+    layerwise_checkpoint.save_layerwise_checkpoint(config, tmp_path, seed=0, device="cpu",
+                                                   quantization=QUANTIZATIONS["nf4"])
     assert sum(type(m).__name__.endswith("DecoderLayer") for m in live) == 4 and most[0] == 1
 
 
@@ -113,3 +114,58 @@ def test_building_a_shape_leaves_the_table_unchanged():
     for shape in ("llama-3.1-8b", "llama-3.3-70b"):
         build_config(shape)
     assert SHAPES == before  # else a checkpoint's identity drifts and it is rebuilt in every process
+
+
+@pytest.mark.parametrize("shape", ["tiny", "qwen2.5-1.5b"])  # untied head; tied embeddings
+def test_a_16bit_checkpoint_written_a_layer_at_a_time_is_transformers_own(shape, tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    params = dict(SHAPES[shape])
+    if shape != "tiny":
+        params.update(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=300)
+    config = AutoConfig.for_model(params.pop("model_type"), **params)
+    live, most = [], [0]
+    materialise = layerwise_checkpoint._materialise
+
+    def counting(module, model, device):
+        materialise(module, model, device)
+        live.append(module)
+        layers = [m for m in live if any(p.device.type != "meta" for p in m.parameters())]
+        most[0] = max(most[0], sum(1 for m in layers if type(m).__name__.endswith("DecoderLayer")))
+        return module
+
+    monkeypatch.setattr(layerwise_checkpoint, "_materialise", counting)
+    path = tmp_path / "ckpt"
+    layerwise_checkpoint.save_layerwise_checkpoint(config, path, seed=0, device="cpu", shard_bytes=20_000)
+    assert most[0] == 1 and getattr(config, "quantization_config", None) is None
+    saved = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in saved
+    model = AutoModelForCausalLM.from_pretrained(path)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict().items()} == {
+        n: (tuple(t.shape), t.dtype) for n, t in reference.state_dict().items()}
+    assert set(_file_tensors(path)) == {n for n in reference.state_dict()
+                                        if not (config.tie_word_embeddings and n == "lm_head.weight")}
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.dtype == torch.bfloat16 and q_proj.float().std() > 0  # initialised, as from_config would
+    logits = model(torch.tensor([[5, 6, 7]])).logits
+    assert torch.isfinite(logits.float()).all()
+
+
+def test_e2e_writes_a_model_larger_than_the_gpu_a_layer_at_a_time(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from trl_turbo.bench import e2e
+
+    config = build_config("tiny")
+    size = sum(p.numel() * 2 for p in AutoModelForCausalLM.from_config(config).parameters())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (size, 4 * size))
+    assert e2e.whole_model_fits(config, "cuda", headroom=1.0)
+    assert not e2e.whole_model_fits(config, "cuda", headroom=0.5)
+    assert e2e.whole_model_fits(config, "cpu", headroom=0.0)
+    written = []
+    monkeypatch.setattr(e2e, "whole_model_fits", lambda config, device: False)
+    monkeypatch.setattr(e2e, "save_layerwise_checkpoint", lambda *args, **kwargs: written.append(args))
+    e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu")
+    assert len(written) == 1 and written[0][1] == tmp_path

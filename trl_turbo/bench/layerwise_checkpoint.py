@@ -1,13 +1,13 @@
-"""A random-init checkpoint saved already quantized (bitsandbytes NF4), one decoder layer at a time.
+"""A random-init checkpoint written one decoder layer at a time: 16-bit, or already quantized (bitsandbytes NF4).
 
-Design decision: the 16-bit route (build the whole model, save it, let bitsandbytes quantize it at load) needs the
-16-bit model in memory and on disk: 141 GB for a 70B shape, more than the GPU machine's disk. Here the model exists
-only on the meta device; each decoder layer in turn is materialised on the device, initialised by the model's own
-`_init_weights` (as `from_config` would), its linear weights quantized by bitsandbytes, written into the current
-shard and dropped. The files are what transformers writes for a 4-bit model (`save_pretrained` of a `Linear4bit`:
-the packed weight plus its quantization state under `<weight>.<key>`, `quantization_config` in config.json), so
-transformers and vLLM load them as a pre-quantized checkpoint. Embeddings, norms and the LM head stay 16-bit, as
-transformers leaves them.
+Design decision: building the whole model and saving it needs the whole 16-bit model on one device: 141 GB for a
+70B shape, more than an H100 holds, and for a 4-bit run more than the GPU machine's disk would take beside it. Here
+the model exists only on the meta device; each decoder layer in turn is materialised on the device, initialised by
+the model's own `_init_weights` (as `from_config` would), written into the current shard (its linear weights
+quantized by bitsandbytes, for a 4-bit checkpoint) and dropped. The files are what transformers' `save_pretrained`
+writes (for a 4-bit model: the packed weight plus its quantization state under `<weight>.<key>`, and
+`quantization_config` in config.json), so transformers and vLLM load them as they would its own. Embeddings, norms
+and the LM head stay 16-bit.
 """
 
 from __future__ import annotations
@@ -65,13 +65,16 @@ def _materialise(module: torch.nn.Module, model: Any, device: str | torch.device
     return module
 
 
-def _write_layer(writer: _ShardWriter, prefix: str, layer: torch.nn.Module, quantization: dict[str, Any]) -> None:
-    """Write a decoder layer's parameters under `prefix`, its Linear weights as bitsandbytes 4-bit."""
-    import bitsandbytes.functional as bnb_functional
-
-    linear_weights = {f"{name}.weight" for name, child in layer.named_modules() if isinstance(child, torch.nn.Linear)}
+def _write_layer(writer: _ShardWriter, prefix: str, layer: torch.nn.Module,
+                 quantization: dict[str, Any] | None) -> None:
+    """Write a decoder layer's parameters under `prefix`, its Linear weights as bitsandbytes 4-bit with a
+    `quantization`."""
+    linear_weights = ({f"{name}.weight" for name, child in layer.named_modules() if isinstance(child, torch.nn.Linear)}
+                      if quantization else set())
     for name, param in layer.named_parameters():
         if name in linear_weights:
+            import bitsandbytes.functional as bnb_functional
+
             packed, state = bnb_functional.quantize_4bit(
                 param.data, quant_type=quantization["bnb_4bit_quant_type"],
                 compress_statistics=quantization.get("bnb_4bit_use_double_quant", False), quant_storage=torch.uint8)
@@ -82,10 +85,11 @@ def _write_layer(writer: _ShardWriter, prefix: str, layer: torch.nn.Module, quan
             writer.add(f"{prefix}{name}", param.data)
 
 
-def save_4bit_checkpoint(config: Any, path: Path, seed: int, device: str | torch.device,
-                         quantization: dict[str, Any], shard_bytes: int = SHARD_BYTES) -> None:
-    """Save a random-init model of `config` to `path`, its decoder layers' linear weights quantized as
-    `quantization` (`BitsAndBytesConfig` arguments with `load_in_4bit`), without ever holding the 16-bit model."""
+def save_layerwise_checkpoint(config: Any, path: Path, seed: int, device: str | torch.device,
+                              quantization: dict[str, Any] | None = None, shard_bytes: int = SHARD_BYTES) -> None:
+    """Save a random-init bf16 model of `config` to `path` without ever holding more than one decoder layer, its
+    decoder layers' linear weights quantized as `quantization` (`BitsAndBytesConfig` arguments with `load_in_4bit`)
+    if given."""
     import copy
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -115,5 +119,6 @@ def save_4bit_checkpoint(config: Any, path: Path, seed: int, device: str | torch
     writer.close()
     config = model.config
     config.architectures = [type(model).__name__]  # what save_pretrained records; vLLM picks its model class by it
-    config.quantization_config = BitsAndBytesConfig(**quantization).to_dict()
+    if quantization:
+        config.quantization_config = BitsAndBytesConfig(**quantization).to_dict()
     config.save_pretrained(path)

@@ -95,3 +95,15 @@ def test_kv_budget_sizes_a_rank_cache_for_the_sequences_it_is_handed(monkeypatch
     assert useful(2, 2, 128) == (128, one_gpu[1])  # twice the sequences, half the heads each
     assert useful(1, 2, 128) == one_gpu  # DDP: a rank's own 64
     assert useful(1, 1, 1024)[0] == 1024 and useful(1, 1, 1024)[1] == useful(1, 1, 256)[1]  # vLLM schedules 256
+
+
+def test_merged_sampling_under_fsdp2_needs_a_host_copy_of_each_rank_slices_only():
+    """Four processes on a host with room for 1.5 whole copies of the adapted matrices: one process each with a
+    whole copy would not fit (lora); four ranks each with a quarter, a whole copy in all, do (merged)."""
+    facts = engine_plan.engine_facts(_lora_model(num_attention_heads=4, num_key_value_heads=4))
+    facts = types.SimpleNamespace(**{**facts.__dict__, "processes_on_host": 4,
+                                     "host_bytes": 3 * facts.adapted_weight_bytes})
+    whole = engine_plan.plan_engine(_settings(), facts)
+    assert whole.sampling == "lora" and "host copy" in whole.sampling_problems[0]
+    sharded = engine_plan.plan_engine(_settings(), facts, tp_size=4, fsdp2=True)
+    assert sharded.sampling == "merged" and sharded.sampling_problems == ()

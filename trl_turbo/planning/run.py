@@ -31,9 +31,16 @@ from .training import CONTEXT_BYTES, MicroBatch, TrainingForecast, forecast_trai
 
 # Adam's two fp32 moments per trainable parameter (the gradients are part of the training phase).
 OPTIMIZER_BYTES_PER_PARAM = 8
-# Device memory vLLM's profiling run keeps out of its KV pool (activations of one scheduler step), measured with
-# Llama-3.1-8B on the H100 and the H200 (1.17 GiB on both).
-VLLM_PROFILE_BYTES = int(1.17 * 2**30)
+# Device memory vLLM's profiling run keeps out of its KV pool (one scheduler step's activations and what it holds
+# per layer), by decoder depth: TRL's 0.3 share of the device less vLLM's weight and KV pools was 1.18-1.27 GiB at
+# 32 layers (Llama-3.1-8B, tensor-parallel 1 and 2) and 1.89 GiB at 64 (Qwen2.5-32B, tensor-parallel 2; H200s).
+VLLM_PROFILE_BASE_BYTES = int(0.51 * 2**30)
+VLLM_PROFILE_BYTES_PER_LAYER = int(21.5 * 2**20)
+
+
+def vllm_profile_bytes(layers: int) -> int:
+    return VLLM_PROFILE_BASE_BYTES + layers * VLLM_PROFILE_BYTES_PER_LAYER
+
 # An engine that samples from bitsandbytes 4-bit weights keeps about this many times one scheduler step's
 # workspace (`vllm.kv_budget.sampling_workspace_bytes`: hidden states and logits) more, outside its KV pool
 # (dequantized weight tiles, LoRA kernels' buffers): measured 1.52 GiB with Llama-3.1-8B and 0.58 GiB with Qwen2.5-1.5B,
@@ -84,15 +91,16 @@ def quantization_of(quantized_4bit: bool, nested_4bit: bool) -> dict[str, Any] |
 
 
 def spec_engine_facts(spec: ModelSpec, *, quantized_4bit: bool, nested_4bit: bool,
-                      host_capacity_bytes: int | None) -> EngineFacts:
-    """What the engine's plan reads of the policy model, from its counted config instead of a loaded model (one
-    process; an unknown host counts as large enough)."""
+                      host_capacity_bytes: int | None, processes_on_host: int = 1) -> EngineFacts:
+    """What the engine's plan reads of the policy model, from its counted config instead of a loaded model (an
+    unknown host counts as large enough)."""
     return EngineFacts(
         model_type=spec.model_type, quantization=quantization_of(quantized_4bit, nested_4bit),
         four_bit=quantized_4bit, layout_problems=(), merge_problems=(),
         adapted_weight_bytes=2 * spec.adapted_parameters,
         linear_weight_bytes=0 if quantized_4bit else 2 * spec.layer_linear_parameters,
-        processes_on_host=1, host_bytes=host_capacity_bytes if host_capacity_bytes is not None else 2**62,
+        processes_on_host=processes_on_host,
+        host_bytes=host_capacity_bytes if host_capacity_bytes is not None else 2**62,
         installed_vllm=False)
 
 
@@ -104,7 +112,8 @@ def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nes
         raise ValueError("`trl-turbo plan` forecasts shared weights for LoRA runs; full fine-tuning with "
                          "`turbo_vllm_shared_weights=True` runs, but has no forecast yet.")
     facts = spec_engine_facts(spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
-                              host_capacity_bytes=host_capacity_bytes)
+                              host_capacity_bytes=host_capacity_bytes,
+                              processes_on_host=getattr(args, "world_size", 1))  # the forecast is of one node
     return forecast_plan(args, engine_facts=facts)
 
 
@@ -140,7 +149,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     shared = engine_plan is not None and engine_plan.shares_weights
     fp8 = shared and engine_plan.sampling is SamplingMode.FP8
     step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
-    workspace = VLLM_PROFILE_BYTES
+    workspace = vllm_profile_bytes(spec.layers)
     if quantized_4bit and not fp8:  # vLLM samples from the 4-bit weights (its own copy, or shared)
         workspace += int(FOUR_BIT_ENGINE_WORKSPACES * step_workspace)
     if shared:

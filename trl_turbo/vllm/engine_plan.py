@@ -141,10 +141,12 @@ class EnginePlan:
         return (self.engine_kwargs or {}).get("kv_cache_memory_bytes")
 
 
-def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts) -> tuple[SamplingMode, list[str]]:
+def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts,
+                  shards: int = 1) -> tuple[SamplingMode, list[str]]:
     """The sampling mode of an engine with shared weights (or a separate copy), and why "merged" cannot serve:
     "merged" where nothing stands against merging, else "lora"; "fp8" as asked (refused before the model loaded
-    where it cannot serve)."""
+    where it cannot serve). `shards`: the adapted matrices are split over that many ranks (FSDP2 shards that are
+    tensor-parallel slices), each keeping the host copy of its own slices only."""
     if requested is SamplingMode.FP8:
         return SamplingMode.FP8, []
     problems = []
@@ -154,7 +156,7 @@ def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts)
         problems.append("the base weights are bitsandbytes 4-bit, which cannot hold a merged adapter")
     else:
         problems += facts.merge_problems
-        host = host_copy_problem(facts.adapted_weight_bytes, facts.processes_on_host, facts.host_bytes)
+        host = host_copy_problem(facts.adapted_weight_bytes // shards, facts.processes_on_host, facts.host_bytes)
         if host is not None:
             problems.append(host)
     if requested is SamplingMode.LORA or problems:
@@ -188,8 +190,8 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
             raise ValueError(f"`turbo_vllm_shared_weights=True` under FSDP2 shares tensor-parallel slices of 16-bit "
                              f"weights only, and this model cannot share them: {'; '.join(sharing.reasons)}. Set "
                              "`turbo_vllm_shared_weights=False` (TRL's weight sync), or train with DDP.")
-        sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts) if facts.has_adapter else (
-            None, [])
+        sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts,
+                                           shards=tp_size if sharded else 1) if facts.has_adapter else (None, [])
         if sharded and sampling is SamplingMode.MERGED and unshared_adapted:
             sampling, problems = SamplingMode.LORA, [*problems, f"{len(unshared_adapted)} adapted weights keep a "
                                                      f"copy of their own in vLLM (e.g. {unshared_adapted[0]}), which "

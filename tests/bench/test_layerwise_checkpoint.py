@@ -167,5 +167,10 @@ def test_e2e_writes_a_model_larger_than_the_gpu_a_layer_at_a_time(tmp_path, monk
     written = []
     monkeypatch.setattr(e2e, "whole_model_fits", lambda config, device: False)
     monkeypatch.setattr(e2e, "save_layerwise_checkpoint", lambda *args, **kwargs: written.append(args))
-    e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu")
-    assert len(written) == 1 and written[0][1] == tmp_path
+    identity = e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu")
+    assert len(written) == 1 and written[0][1] == tmp_path and written[0][4] is None  # 16-bit
+    assert identity["writer"] == "layerwise"
+    # the same seed written whole on a device it fits is another checkpoint: rebuilt, not reused
+    monkeypatch.setattr(e2e, "whole_model_fits", lambda config, device: True)
+    assert e2e.prepare_checkpoint("tiny", tmp_path, seed=0, device="cpu")["writer"] == "whole"
+    assert (tmp_path / "model.safetensors").exists() and len(written) == 1

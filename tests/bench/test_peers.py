@@ -28,6 +28,9 @@ def test_a_peer_runs_on_one_gpu_with_its_own_site(tmp_path):
     assert "--vllm-tp 1" in _refusals(tmp_path, vllm_tp=2)[0]
     assert "--gpu-gib" in _refusals(tmp_path, gpu_gib=20.0)[0]
     assert "--full-finetuning" in _refusals(tmp_path, full_finetuning=True)[0]
+    assert _refusals(tmp_path, quantization="nf4") == []  # Unsloth's own 4-bit row
+    fp8 = _refusals(tmp_path, variants=["unsloth-fp8"], quantization="nf4")
+    assert len(fp8) == 1 and "unsloth-fp8" in fp8[0] and "--quantization" in fp8[0]
     missing = _refusals(tmp_path, site=str(tmp_path / "absent"))
     assert len(missing) == 1 and "--unsloth-site" in missing[0] and "TRL_TURBO_UNSLOTH_SITE" in missing[0]
 
@@ -47,22 +50,23 @@ def test_the_child_env_puts_the_peer_site_first(tmp_path):
 
 
 def test_the_child_imports_unsloth_before_transformers_trl_and_peft(tmp_path):
-    """With a stand-in `unsloth` first on the path, the child's first import finds none of the libraries Unsloth
-    patches loaded yet, and the repository (not the child's own folder) is then on the path."""
+    """With a stand-in `unsloth` first on the path (it stops the child), the child's first import finds none of the
+    libraries Unsloth patches loaded yet, and the repository, not the child's own folder, already first on the
+    path."""
     site = tmp_path / "site" / "unsloth"
     site.mkdir(parents=True)
     report = tmp_path / "report.json"
     site.joinpath("__init__.py").write_text(
         "import json, sys\n"
-        f"json.dump(sorted(m for m in ('transformers', 'trl', 'peft', 'torch', 'trl_turbo') if m in sys.modules),"
-        f" open({str(report)!r}, 'w'))\n"
+        f"json.dump([sorted(m for m in ('transformers', 'trl', 'peft', 'torch', 'trl_turbo') if m in sys.modules),"
+        f" sys.path[0]], open({str(report)!r}, 'w'))\n"
         "raise SystemExit(0)\n")
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({}))
     env = peers.child_env({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, str(tmp_path / "site"))
     done = subprocess.run(peers.child_command(spec), env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(report.read_text()) == []
+    assert json.loads(report.read_text()) == [[], str(Path(peers.__file__).resolve().parents[2])]
 
 
 def test_a_peer_is_refused_before_anything_runs(tmp_path, monkeypatch):

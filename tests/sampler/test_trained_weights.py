@@ -194,7 +194,10 @@ def test_a_generation_refreshes_copies_released_since_the_last_sync(monkeypatch)
     state.full_finetuning = True
     state.standby = Standby(released=True)
     state.standby.weight_releases = 1
-    state.weight_copies = WeightCopies(casts=[(master, engine)], released_bytes=96, written_at=0)
+    loaded = []
+    norm = torch.nn.Parameter(torch.ones(3))
+    state.weight_copies = WeightCopies(casts=[(master, engine)], reloads=[("norm", norm)],
+                                       load=lambda name, tensor: loaded.append(name), released_bytes=96, written_at=0)
     llm = object()
     for _ in range(2):  # two generations without a sync between them: each finds its copies written
         engine.zero_()
@@ -203,8 +206,11 @@ def test_a_generation_refreshes_copies_released_since_the_last_sync(monkeypatch)
             assert torch.equal(engine, master.detach().to(torch.bfloat16))
     assert order == ["restore_weights", "restore_kv", "generate", "release"] * 2
     assert "vllm/weight_copy_s" in state.metrics
+    # a rank decides that refresh alone: the reloads (collective under FSDP2, and never released) are left to syncs
+    assert loaded == []
     order.clear()
     session.sync_trained_weights(state)  # a step's sync writes them, so the generation after it does not again
+    assert loaded == ["norm"]
     with session.generating(llm, state, torch.device("cpu")):
         order.append("generate")
     assert order == ["restore_weights", "restore_kv", "generate", "release"]

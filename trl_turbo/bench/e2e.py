@@ -102,25 +102,27 @@ MODEL_INIT_KWARGS = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
 def prepare_checkpoint(shape: str, path: Path, seed: int, device: str,
                        quantization: str = "none") -> dict[str, Any]:
     """Save a random-init bf16 model of ``shape`` and its tokenizer to ``path`` (reused when already there); with a
-    4-bit ``quantization``, saved already quantized, one decoder layer at a time (a 70B shape never exists in 16
-    bits)."""
+    4-bit ``quantization`` saved already quantized, and then or where the whole model would not fit the device, one
+    decoder layer at a time (`layerwise_checkpoint`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    config = build_config(shape)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 3, 1, 2
+    four_bit = bool(QUANTIZATIONS[quantization].get("load_in_4bit"))
+    # a layer at a time where the whole model would not fit the device (a 70B shape on one GPU); the two writers
+    # draw the same seed's weights in another order, so the identity says which one wrote them
+    layerwise = four_bit or not whole_model_fits(config, device)
     identity = json.loads(json.dumps({"shape": shape, "model_config": SHAPES[shape], "seed": seed,
-                                      "quantization": quantization}))
+                                      "quantization": quantization, "writer": "layerwise" if layerwise else "whole"}))
     marker = path / CHECKPOINT_MARKER
     if marker.exists() and json.loads(marker.read_text()) == identity:
         return identity
     path.mkdir(parents=True, exist_ok=True)
     for stale in [*path.glob("*.safetensors"), path / "model.safetensors.index.json", marker]:
         stale.unlink(missing_ok=True)  # another shape's or precision's weights would shadow or confuse the new ones
-    config = build_config(shape)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 3, 1, 2
-    if QUANTIZATIONS[quantization].get("load_in_4bit"):
-        save_layerwise_checkpoint(config, path, seed, device, QUANTIZATIONS[quantization])
-    elif not whole_model_fits(config, device):  # a 70B shape on one GPU: built and written a layer at a time
-        save_layerwise_checkpoint(config, path, seed, device)
+    if layerwise:
+        save_layerwise_checkpoint(config, path, seed, device, QUANTIZATIONS[quantization] if four_bit else None)
     else:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -324,11 +326,12 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                         model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized
                         **spec["variant_config"][variant])
     tokenizer = load_tokenizer(spec["checkpoint"])
+    dataset = workload_dataset(spec, tokenizer)  # outside the timed start-up, as for every variant
 
     def build() -> Any:
         return GRPOTrainer(
             model=spec["checkpoint"], reward_funcs=hashed_reward, args=config,
-            train_dataset=workload_dataset(spec, tokenizer), processing_class=tokenizer,
+            train_dataset=dataset, processing_class=tokenizer,
             peft_config=None if spec.get("lora") is None else LoraConfig(
                 r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
                 target_modules=spec["lora"]["target_modules"], task_type="CAUSAL_LM"),
@@ -532,7 +535,8 @@ def run(args: argparse.Namespace) -> Path:
     if args.vllm_tp > 1 and (SINGLE_GPU in launches or args.processes % args.vllm_tp):
         raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {args.processes}, without a 1gpu launch")
     refused = peers.refusals(variants, launches, single_gpu=SINGLE_GPU, gpu_gib=args.gpu_gib,
-                             full_finetuning=args.full_finetuning, vllm_tp=args.vllm_tp, site=args.unsloth_site)
+                             full_finetuning=args.full_finetuning, vllm_tp=args.vllm_tp, site=args.unsloth_site,
+                             quantization=args.quantization)
     if refused:
         raise SystemExit("; ".join(refused))
     if args.gpu_gib is not None and args.gpu_gib <= 0:

@@ -41,7 +41,7 @@ def is_peer(variant: str) -> bool:
 
 
 def refusals(variants: list[str], launches: list[str], *, single_gpu: str, gpu_gib: float | None,
-             full_finetuning: bool, vllm_tp: int, site: str | None) -> list[str]:
+             full_finetuning: bool, vllm_tp: int, site: str | None, quantization: str = "none") -> list[str]:
     """Why the peer variants among `variants` cannot run as asked (empty: they can)."""
     peers = [variant for variant in variants if is_peer(variant)]
     if not peers:
@@ -53,6 +53,10 @@ def refusals(variants: list[str], launches: list[str], *, single_gpu: str, gpu_g
         problems.append(f"{', '.join(peers)} size vLLM's share of the GPU themselves: leave out --gpu-gib")
     if full_finetuning:
         problems.append(f"{', '.join(peers)} follow Unsloth's LoRA recipe: leave out --full-finetuning")
+    fp8 = [variant for variant in peers if PEER_VARIANTS[variant].get("load_in_fp8")]
+    if fp8 and quantization != "none":
+        problems.append(f"{', '.join(fp8)} load the weights in fp8, not {quantization}: run them without "
+                        "--quantization (and `unsloth` for the 4-bit row)")
     if not site or not Path(site).is_dir():
         problems.append(f"{', '.join(peers)} need Unsloth's own site directory (its TRL and datasets pins differ "
                         f"from trl_turbo's): pass --unsloth-site DIR or set TRL_TURBO_UNSLOTH_SITE "

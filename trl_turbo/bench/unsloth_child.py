@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import unsloth  # noqa: F401  (first: it patches transformers, TRL and peft as they are imported)
+# the repository, not this file's folder, whose modules (train, loss, results, ...) would shadow others' imports
+sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository, not this folder (no shadowed module names)
+import unsloth  # noqa: E402, F401  (first: it patches transformers, TRL and peft as they are imported)
 
 
 def run_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
@@ -35,6 +36,7 @@ def run_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
     settings = peers.PEER_VARIANTS[spec["variant"]]
     lora = spec["lora"]
     tokenizer = e2e.load_tokenizer(spec["checkpoint"])
+    dataset = e2e.workload_dataset(spec, tokenizer)  # outside the timed start-up, as for every variant
 
     def build() -> Any:
         model, _ = FastLanguageModel.from_pretrained(
@@ -49,9 +51,12 @@ def run_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
                                   max_tokens=spec["completion_len"], seed=spec["seed"])
         config = GRPOConfig(**e2e.grpo_kwargs(spec), vllm_sampling_params=sampling)
         return GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=e2e.hashed_reward, args=config,
-                           train_dataset=e2e.workload_dataset(spec, tokenizer))
+                           train_dataset=dataset)
 
     def describe(trainer: Any, row: dict[str, Any]) -> None:
+        if getattr(trainer, "vllm_generation", None) is None:  # the timers every variant is measured with sit there
+            raise RuntimeError("Unsloth's GRPOTrainer has no `vllm_generation`: its generation cannot be timed as "
+                               "the other variants' is")
         engine = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
         cache = getattr(getattr(getattr(engine, "llm_engine", None), "vllm_config", None), "cache_config", None)
         row["versions"] = peers.versions()

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+FULL_SHAPE = {"hidden_size": 2048, "layers": 2, "head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "intermediate_size": 8192}
+
 
 def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
     """Which FSDP2 shards are vLLM's memory, and whether every shared one still equals its checkpoint slice."""
@@ -81,30 +84,51 @@ def trained_gaps(trainer: Any, checkpoint: Path, prompts: int = 8, tokens: int =
 
 
 @torch.no_grad()
-def greedy_agreement(trainer: Any, prompts: int = 8, tokens: int = 12, margin: float = 0.1) -> dict[str, int]:
+def greedy_agreement(trainer: Any, checkpoint: Path, full: bool, prompts: int = 8, tokens: int = 12,
+                     margin: float = 0.1) -> dict[str, int]:
     """vLLM's greedy continuations read by the trainer's policy (sharded, with its adapter): at every position where
     the policy's best token leads its runner-up by more than `margin` nats, vLLM must have picked that token. Each
     position is conditioned on vLLM's own prefix, so this is what HF's greedy `generate` of the gathered model would
-    produce, minus the positions whose near-ties bf16 rounding may break either way."""
+    produce, minus the positions whose near-ties bf16 rounding may break either way. The same tokens read by the
+    policy the sampler must not be using (the base without its adapter; for full fine-tuning, the checkpoint it
+    started from) must disagree somewhere (`other_mismatched`), or the check could not tell them apart. EOS, whose
+    logit the test model tilts up, is left out of both choices."""
+    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from trl_turbo.testing.tokenizer import VOCAB
+    from trl_turbo.testing.tokenizer import EOS_ID, VOCAB
     from trl_turbo.testing.vllm_checks import engine_generate
 
+    allowed = [token for token in range(len(VOCAB)) if token != EOS_ID]
     token_ids = [[3 + (11 * i + 5 * j) % (len(VOCAB) - 3) for j in range(10)] for i in range(prompts)]
-    outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                                                                 allowed_token_ids=allowed))
     device = trainer.accelerator.device
-    compared = mismatched = 0
+    start = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval() if full \
+        else None
+    counts = {"compared": 0, "mismatched": 0, "other_compared": 0, "other_mismatched": 0, "positions": prompts * tokens}
+
+    def tally(logits: torch.Tensor, completion: torch.Tensor, prefix: str) -> None:
+        logits = logits.float()
+        logits[..., EOS_ID] = float("-inf")
+        best = logits.log_softmax(-1).topk(2, dim=-1)
+        clear = ((best.values[:, 0] - best.values[:, 1]) > margin).cpu()
+        counts[f"{prefix}compared"] += int(clear.sum())
+        counts[f"{prefix}mismatched"] += int((clear & (best.indices[:, 0].cpu() != completion)).sum())
+
     trainer.model.eval()
     for prompt, output in zip(token_ids, outputs):
         completion = torch.tensor(list(output.outputs[0].token_ids))
         ids = torch.tensor([prompt + completion.tolist()], device=device)
-        best = trainer.model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1).topk(2, dim=-1)
-        clear = ((best.values[:, 0] - best.values[:, 1]) > margin).cpu()
-        compared += int(clear.sum())
-        mismatched += int((clear & (best.indices[:, 0].cpu() != completion)).sum())
+        span = slice(len(prompt) - 1, -1)
+        tally(trainer.model(ids).logits[0, span], completion, "")
+        if full:
+            tally(start(ids).logits[0, span], completion, "other_")
+        else:
+            with trainer.model.disable_adapter():  # collective too: every rank runs the same forwards
+                tally(trainer.model(ids).logits[0, span], completion, "other_")
     trainer.model.train()
-    return {"compared": compared, "mismatched": mismatched, "positions": prompts * tokens}
+    return counts
 
 
 class InjectedFault(RuntimeError):
@@ -141,8 +165,11 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
     with warnings.catch_warnings(record=True) as caught, eager_engines():
         warnings.simplefilter("always")
         full = sampling == "full"
+        # full fine-tuning: projections of 4-32 MB per rank, as large as vLLM's allocator gives segments of their own
+        # (the copies standby releases); the LoRA runs keep the tiny shape
         trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2,
-                                lora=not full, **({} if full else {"turbo_vllm_sampling": sampling}))
+                                lora=not full, model_shape=FULL_SHAPE if full else None,
+                                **({} if full else {"turbo_vllm_sampling": sampling}))
     if not full:
         randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
     used: list[float] = []
@@ -168,7 +195,9 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
         **shard_report(trainer, workdir),
         # collective: every rank runs the same forwards
         "gaps_after": trained_gaps(trainer, workdir) if full else logprob_gaps(trainer),
-        "greedy": greedy_agreement(trainer),
+        "greedy": greedy_agreement(trainer, workdir, full),
+        "released_copies_gib": [log["vllm/released_copies_gib"] for log in logs
+                                if "vllm/released_copies_gib" in log],
         "fault": fault,
         "weight_sync_s": [log["vllm/weight_sync_s"] for log in logs if "vllm/weight_sync_s" in log],
         "shared_weights_gib": [log["vllm/shared_weights_gib"] for log in logs if "vllm/shared_weights_gib" in log],

@@ -215,6 +215,7 @@ class KVStandby:
             raise RuntimeError("trl_turbo: vLLM allocated no KV cache from its sleep-mode pool; the engine must be "
                                "built with `enable_sleep_mode=True`.")
         self._weight_allocations: list[Any] = []
+        self._handed: dict[int, torch.Tensor] = {}  # storages handed to `release_also`, by address
         self.weight_releases = 0  # times the weight allocations were unmapped (their contents lost each time)
         self.resident_bytes = 0
         self.bytes = self.kv_bytes
@@ -230,7 +231,9 @@ class KVStandby:
     def release_also(self, tensors: Iterable[torch.Tensor]) -> int:
         """Release the weight-pool allocations that hold nothing but `tensors` with the KV cache from now on (at once
         while it is released); returns the bytes that adds."""
-        tensors = list(tensors)
+        storages = {t.untyped_storage().data_ptr(): t for t in tensors}
+        tensors = [t for ptr, t in storages.items() if ptr not in self._handed]
+        self._handed.update(storages)
         known = {id(data) for data in self._weight_allocations}
         new = [data for data in self._allocations_holding_only(tensors) if id(data) not in known]
         added = sum(data.handle[1] for data in new)

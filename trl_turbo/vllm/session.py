@@ -104,7 +104,8 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
             torch.cuda.empty_cache()
         copies = state.weight_copies
         if copies is not None and trained_weights.stale(copies, standby):  # released since the last sync wrote them
-            state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(copies, standby)
+            # whether a copy was released depends on this rank's allocator: no collective may hang on the decision
+            state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(copies, standby, casts_only=True)
         if fp8 is not None:
             if standby is not None:
                 standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache

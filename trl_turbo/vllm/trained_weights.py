@@ -43,12 +43,13 @@ class WeightCopies:
         return sum(target.numel() * target.element_size() for _, target in self.casts)
 
     @torch.no_grad()
-    def sync(self) -> float:
-        """Refresh vLLM's copies; returns the seconds it took (device synchronised)."""
+    def sync(self, casts_only: bool = False) -> float:
+        """Refresh vLLM's copies (`casts_only`: the rank-local casts, without the collective reloads); returns the
+        seconds it took (device synchronised)."""
         start = time.perf_counter()
         for source, target in self.casts:
             target.copy_(local_of(source))
-        for name, param in self.reloads:
+        for name, param in [] if casts_only else self.reloads:
             if self.load is None:
                 raise RuntimeError("trl_turbo: no loader for the weights vLLM lays out itself")
             self.load(name, whole_of(param).detach())
@@ -125,11 +126,15 @@ def stale(copies: WeightCopies, standby: Any) -> bool:
     return bool(copies.released_bytes) and standby is not None and copies.written_at != standby.weight_releases
 
 
-def refresh(copies: WeightCopies, standby: Any) -> float:
-    """Write the trained parameters into vLLM's copies, mapping released ones back first; returns the seconds."""
+def refresh(copies: WeightCopies, standby: Any, casts_only: bool = False) -> float:
+    """Write the trained parameters into vLLM's copies, mapping released ones back first (after torch's cached blocks
+    went back to the driver: training may have grown into the released bytes); returns the seconds. `casts_only`: a
+    decision one rank makes alone (the released copies are cast targets only; the reloads are collective)."""
     if copies.released_bytes and standby is not None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         standby.restore_weights()
-    seconds = copies.sync()
+    seconds = copies.sync(casts_only=casts_only)
     if standby is not None:
         copies.written_at = standby.weight_releases
     return seconds

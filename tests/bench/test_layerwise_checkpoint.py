@@ -68,8 +68,9 @@ def test_checkpoint_loads_as_transformers_own_4bit_model(shape, tmp_path):
     assert getattr(config, "quantization_config", None) is None
 
 
-@needs_bnb
-def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
+def _count_materialised_layers(monkeypatch):
+    """Record each module the writer materialises (`live`) and the most decoder layers off the meta device at once
+    (`most[0]`)."""
     live, most = [], [0]
     materialise = layerwise_checkpoint._materialise
 
@@ -81,6 +82,12 @@ def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
         return module
 
     monkeypatch.setattr(layerwise_checkpoint, "_materialise", counting)
+    return live, most
+
+
+@needs_bnb
+def test_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
+    live, most = _count_materialised_layers(monkeypatch)
     config = build_config("tiny")
     config.num_hidden_layers = 4
     layerwise_checkpoint.save_layerwise_checkpoint(config, tmp_path, seed=0, device="cpu",
@@ -125,17 +132,7 @@ def test_a_16bit_checkpoint_written_a_layer_at_a_time_is_transformers_own(shape,
         params.update(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=300)
     config = AutoConfig.for_model(params.pop("model_type"), **params)
-    live, most = [], [0]
-    materialise = layerwise_checkpoint._materialise
-
-    def counting(module, model, device):
-        materialise(module, model, device)
-        live.append(module)
-        layers = [m for m in live if any(p.device.type != "meta" for p in m.parameters())]
-        most[0] = max(most[0], sum(1 for m in layers if type(m).__name__.endswith("DecoderLayer")))
-        return module
-
-    monkeypatch.setattr(layerwise_checkpoint, "_materialise", counting)
+    live, most = _count_materialised_layers(monkeypatch)
     path = tmp_path / "ckpt"
     layerwise_checkpoint.save_layerwise_checkpoint(config, path, seed=0, device="cpu", shard_bytes=20_000)
     assert most[0] == 1 and getattr(config, "quantization_config", None) is None

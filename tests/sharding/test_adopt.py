@@ -83,8 +83,17 @@ SCRIPT = textwrap.dedent(
         return model
 
 
-    def prepare(model, engine, merged=False, engine_dtype=torch.float32):
-        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, weight_copies=None)
+    class Standby:
+        # the KV standby's side: which storages full fine-tuning hands over to release with the KV cache
+        released, weight_releases, handed = False, 0, ()
+
+        def release_also(self, tensors):
+            self.handed = list(tensors)
+            return 1
+
+
+    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None):
+        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, weight_copies=None, standby=standby)
         share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged)
         registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         plugin = FullyShardedDataParallelPlugin(
@@ -175,13 +184,17 @@ SCRIPT = textwrap.dedent(
                                                                params["model.norm.weight"].full_tensor())
     # fp32 masters over a bf16 engine: each shard is cast into its slice at a sync, rank-locally
     engine = Engine(facts, shapes, dtype=torch.bfloat16)
-    model, share, state = prepare(build(lora=False), engine, engine_dtype=torch.bfloat16)
+    standby = Standby()
+    model, share, state = prepare(build(lora=False), engine, engine_dtype=torch.bfloat16, standby=standby)
+    handed = {h.untyped_storage().data_ptr() for h in standby.handed}
+    released = sorted(name for name, t in engine.tensors.items() if t.untyped_storage().data_ptr() in handed)
     train_step(model)
     copies = state.weight_copies
     copies.sync()
     params = dict(model.named_parameters())
     report["full_ft_cast"] = {
         "shared": len(share.result.shared), "casts": len(copies.casts), "reloads": len(copies.reloads),
+        "released_with_kv": released,
         "engine_is_trained": all(
             torch.equal(engine.slice_of(entry.layouts[rank]), params[entry.name].to_local().to(torch.bfloat16))
             for entry in share.placement.plan.params if entry.kind == "cast")}
@@ -230,6 +243,12 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
                  for n in ("input_layernorm", "post_attention_layernorm")] + ["model.norm.weight"]
         assert report["full_ft_same_dtype"] == {"shared": 16, "casts": 0, "reloads": sorted(norms),
                                                 "engine_is_trained": True, "norms_synced": True}
-        assert report["full_ft_cast"] == {"shared": 0, "casts": 16, "reloads": 5, "engine_is_trained": True}
+        # every storage the casts rewrite whole goes with the KV cache while training: all but the reloaded norms
+        # (the packed q|k|v and gate|up tensors too, whose rows come from several casts)
+        releasable = sorted(["model.embed_tokens.weight", "lm_head.weight"] + [
+            f"model.layers.{i}.{n}.weight" for i in range(2)
+            for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
+        assert report["full_ft_cast"] == {"shared": 0, "casts": 16, "reloads": 5, "released_with_kv": releasable,
+                                          "engine_is_trained": True}
     assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
     assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]

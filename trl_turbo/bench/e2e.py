@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -744,9 +744,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _child_main(spec_path: str) -> None:
+def child_main(spec_path: str, run_child: Callable[[dict[str, Any]], dict[str, Any]] = run_variant) -> None:
+    """A variant's child: measure the row of the spec at `spec_path` with `run_child` and save it where the driver
+    reads it."""
     spec = json.loads(Path(spec_path).read_text())
-    _row_path(spec).write_text(json.dumps(run_variant(spec)))
+    _row_path(spec).write_text(json.dumps(run_child(spec)))
     sys.stdout.flush()
     sys.stderr.flush()
     # The measurement is saved; skip interpreter teardown, where an in-process vLLM engine can hang on exit.
@@ -754,4 +756,4 @@ def _child_main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1])
+    child_main(sys.argv[1])

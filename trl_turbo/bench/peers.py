@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +76,6 @@ def child_env(base: dict[str, str], site: str) -> dict[str, str]:
 
 def versions() -> dict[str, str | None]:
     """The installed versions the peer's row was measured with."""
-    found: dict[str, str | None] = {}
-    for name in VERSIONED:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    from .results import installed_version
+
+    return {name: installed_version(name) for name in VERSIONED}

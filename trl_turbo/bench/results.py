@@ -70,7 +70,7 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def _version(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -79,7 +79,7 @@ def _version(distribution: str) -> str | None:
 
 def metadata(benchmark: str, device: torch.device, config: dict[str, Any]) -> dict[str, Any]:
     """Everything that identifies a run, for the top of its JSON file."""
-    versions = {name: _version(dist) for name, dist in _DISTRIBUTIONS.items()}
+    versions = {name: installed_version(dist) for name, dist in _DISTRIBUTIONS.items()}
     versions["cuda"] = torch.version.cuda
     # The GPU machine receives a copy of the working tree without .git: the caller names the commit there
     # (TRL_TURBO_COMMIT=$(git rev-parse HEAD), set here before sending; dirty only if the tree was).

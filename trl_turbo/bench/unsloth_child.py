@@ -10,7 +10,6 @@ GRPOTrainer as Unsloth patches it; the workload (batch, lengths, reward, seed) i
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -57,7 +56,7 @@ def run_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
         if getattr(trainer, "vllm_generation", None) is None:  # the timers every variant is measured with sit there
             raise RuntimeError("Unsloth's GRPOTrainer has no `vllm_generation`: its generation cannot be timed as "
                                "the other variants' is")
-        engine = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+        engine = getattr(trainer.vllm_generation, "llm", None)
         cache = getattr(getattr(getattr(engine, "llm_engine", None), "vllm_config", None), "cache_config", None)
         row["versions"] = peers.versions()
         row["unsloth_settings"] = {**settings, "use_gradient_checkpointing": "unsloth",
@@ -69,10 +68,6 @@ def run_unsloth(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from trl_turbo.bench.e2e import _row_path
+    from trl_turbo.bench.e2e import child_main
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    _row_path(spec).write_text(json.dumps(run_unsloth(spec)))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the measurement is saved; an in-process vLLM engine can hang at interpreter exit
+    child_main(sys.argv[1], run_unsloth)

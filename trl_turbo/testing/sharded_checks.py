@@ -54,11 +54,17 @@ def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
             "shared_gib": share.result.shared_bytes / 2**30, "differing_from_checkpoint": differing}
 
 
+def starting_model(checkpoint: Path, device: torch.device) -> torch.nn.Module:
+    """The checkpoint the run started from, whole on `device`: the policy full fine-tuning must have left."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval()
+
+
 @torch.no_grad()
 def trained_gaps(trainer: Any, checkpoint: Path, prompts: int = 8, tokens: int = 8) -> tuple[float, float]:
     """Full fine-tuning: vLLM samples; mean |Δ log-prob| of the sampled tokens against the trained (sharded) policy
     and against the checkpoint it started from (the sampler must follow the first, not the second)."""
-    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     from trl_turbo.testing.tokenizer import VOCAB
@@ -68,7 +74,7 @@ def trained_gaps(trainer: Any, checkpoint: Path, prompts: int = 8, tokens: int =
     outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0,
                                                                  ignore_eos=True, seed=0))
     device = trainer.accelerator.device
-    start = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval()
+    start = starting_model(checkpoint, device)
     trainer.model.eval()
     gaps: dict[str, list[torch.Tensor]] = {"trained": [], "start": []}
     for prompt, output in zip(token_ids, outputs):
@@ -93,7 +99,6 @@ def greedy_agreement(trainer: Any, checkpoint: Path, full: bool, prompts: int = 
     policy the sampler must not be using (the base without its adapter; for full fine-tuning, the checkpoint it
     started from) must disagree somewhere (`other_mismatched`), or the check could not tell them apart. EOS, whose
     logit the test model tilts up, is left out of both choices."""
-    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     from trl_turbo.testing.tokenizer import EOS_ID, VOCAB
@@ -104,8 +109,7 @@ def greedy_agreement(trainer: Any, checkpoint: Path, full: bool, prompts: int = 
     outputs = engine_generate(trainer, token_ids, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
                                                                  allowed_token_ids=allowed))
     device = trainer.accelerator.device
-    start = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval() if full \
-        else None
+    start = starting_model(checkpoint, device) if full else None
     counts = {"compared": 0, "mismatched": 0, "other_compared": 0, "other_mismatched": 0, "positions": prompts * tokens}
 
     def tally(logits: torch.Tensor, completion: torch.Tensor, prefix: str) -> None:

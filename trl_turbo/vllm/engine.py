@@ -196,6 +196,15 @@ def _give_back(loan: list[float | None]) -> None:
         recall_unmapped(loan[0])
 
 
+def _unmap(allocations: Iterable[Any]) -> None:
+    """Unmap CuMem allocations (their contents are discarded) and record it where vLLM tracks that."""
+    from vllm.device_allocator.cumem import unmap_and_release
+
+    for data in allocations:
+        unmap_and_release(data.handle)
+        vllm_api().mark_mapped(data, False)
+
+
 class KVStandby:
     """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees.
 
@@ -215,7 +224,7 @@ class KVStandby:
             raise RuntimeError("trl_turbo: vLLM allocated no KV cache from its sleep-mode pool; the engine must be "
                                "built with `enable_sleep_mode=True`.")
         self._weight_allocations: list[Any] = []
-        self._handed: dict[int, torch.Tensor] = {}  # storages handed to `release_also`, by address
+        self._handed: set[int] = set()  # addresses of the storages handed to `release_also`
         self.weight_releases = 0  # times the weight allocations were unmapped (their contents lost each time)
         self.resident_bytes = 0
         self.bytes = self.kv_bytes
@@ -239,12 +248,8 @@ class KVStandby:
         added = sum(data.handle[1] for data in new)
         self.resident_bytes += max(0, sum(t.untyped_storage().nbytes() for t in tensors) - added)
         if new and self.released and not self._weights_mapped:
-            from vllm.device_allocator.cumem import unmap_and_release
-
             torch.cuda.synchronize()
-            for data in new:
-                unmap_and_release(data.handle)
-                vllm_api().mark_mapped(data, False)
+            _unmap(new)
             self.weight_releases += 1
             recall_unmapped(self._loan[0])
             self._loan[0] = lend_unmapped(self.bytes + added)
@@ -273,8 +278,6 @@ class KVStandby:
     def release(self) -> int:
         """Unmap the KV cache (its contents are discarded) and the weight allocations released with it; returns the
         bytes freed."""
-        from vllm.device_allocator.cumem import unmap_and_release
-
         if self.released:
             return 0
         self._llm.reset_prefix_cache()
@@ -284,9 +287,7 @@ class KVStandby:
         released = self._kv_allocations() + (self._weight_allocations if self._weights_mapped else [])
         if self._weight_allocations and self._weights_mapped:
             self.weight_releases += 1
-        for data in released:
-            unmap_and_release(data.handle)
-            vllm_api().mark_mapped(data, False)
+        _unmap(released)
         self._loan[0] = lend_unmapped(sum(data.handle[1] for data in released))  # under a per-process cap only
         self._weights_mapped = False
         self.released = True

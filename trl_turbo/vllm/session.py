@@ -41,12 +41,12 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
     state.full_finetuning = plan.full_finetuning
     llm, model = generation.llm, generation.model
     sharing, sampling = plan.sharing, plan.sampling
-    release_with_kv = []
+    fp8_rows = []  # released with the KV cache: rewritten before each generation
     if sampling is SamplingMode.FP8:
         fp8 = vllm_engine.fp8_tensors(llm)
         state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device, fp8=fp8)
         views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
-        release_with_kv = [tensor.rows for tensor in fp8.values()]
+        fp8_rows = [tensor.rows for tensor in fp8.values()]
     elif sharing is not None and plan.full_finetuning and not plan.sharded:
         state.weight_copies = vllm_engine.share_trained_parameters(llm, model, generation.accelerator.device)
         state.shared_bytes = state.weight_copies.shared_bytes
@@ -64,7 +64,7 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         elif sampling is SamplingMode.LORA:
             state.adapters = vllm_engine.TensorAdapters(llm)
     if plan.standby:
-        state.standby = vllm_engine.KVStandby(llm, also_release=release_with_kv)
+        state.standby = vllm_engine.KVStandby(llm, also_release=fp8_rows)
         trained_weights.release_with_kv(state.weight_copies, state.standby)  # sharded: once FSDP2 has sharded
         state.standby.release()
     if sampling is SamplingMode.FP8:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -324,6 +325,37 @@ def test_e2e_child_failure_becomes_a_row(tmp_path):
     assert stopped["ok"] is False and stopped["error"].startswith("timed out"), stopped["error"]
 
 
+def test_e2e_side_by_side_gives_each_variant_gpus_and_a_port_of_its_own(tmp_path, monkeypatch):
+    assert e2e.side_by_side_devices([1, 2, 1], ["3", "5", "6", "7"]) == [["3"], ["5", "6"], ["7"]]
+    with pytest.raises(SystemExit, match="needs 5 GPUs .* shows 4"):
+        e2e.side_by_side_devices([2, 2, 1], ["0", "1", "2", "3"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert e2e.visible_devices(2) == ["4", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert e2e.visible_devices(3) == ["0", "1", "2"]
+
+    seen: list[dict[str, str]] = []
+
+    def launch(command, *, env, **_):
+        seen.append(env)
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(e2e, "run_launch", launch)
+    spec = {"variant": "turbo", "launch": e2e.SINGLE_GPU, "processes": 1}
+    for devices in (["4", "5"], ["6", "7"]):
+        assert e2e._run_child(spec, timeout_s=1, devices=devices)["ok"] is False
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in seen] == ["4,5", "6,7"]
+    assert seen[0]["MASTER_PORT"] != seen[1]["MASTER_PORT"]
+    assert seen[0]["UNSLOTH_COMPILE_LOCATION"] != seen[1]["UNSLOTH_COMPILE_LOCATION"]
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit, match="one after the other"):
+        e2e.run(parser.parse_args(["e2e", "--shape", "tiny", "--gpu-gib", "5", "--side-by-side"]))
+
+
 def test_e2e_ranks_merge_into_one_row_and_scaling_is_against_one_gpu():
     one = {**_e2e_row("turbo", 20.0, 29.0), "launch": e2e.SINGLE_GPU, "processes": 1, "rank": 0}
     rank0 = {**_e2e_row("turbo", 22.0, 30.0), "launch": "multi_gpu", "processes": 2, "rank": 0}
@@ -336,7 +368,9 @@ def test_e2e_ranks_merge_into_one_row_and_scaling_is_against_one_gpu():
     assert scaling["multi_gpu/turbo"]["throughput_vs_1gpu"] == pytest.approx(2 * 20.0 / 24.0)
     assert scaling["multi_gpu/turbo"]["scaling_efficiency"] == pytest.approx(20.0 / 24.0)
     assert "throughput_vs_1gpu" not in scaling["1gpu/turbo"]
-    assert e2e.launch_command("multi_gpu", 2)[-4:] == ["--num_processes", "2", "-m", "trl_turbo.bench.e2e"]
+    command = e2e.launch_command("multi_gpu", 2)
+    assert command[command.index("--num_processes") + 1] == "2" and command[-2:] == ["-m", "trl_turbo.bench.e2e"]
+    assert int(command[command.index("--main_process_port") + 1]) > 0  # launches side by side do not collide
     with pytest.raises(SystemExit, match="no accelerate config"):
         e2e.launch_command("not_a_config", 2)
 

@@ -16,6 +16,10 @@ model FLOP utilization, under the read bandwidth and matmul rate measured once p
 Peers: the ``unsloth`` variants run Unsloth's own GRPO recipe in a child of their own (`peers`, `unsloth_child`),
 measured by the same code (`measure`).
 
+Side by side (``--side-by-side``): on a machine with enough GPUs, every variant's child runs at the same time on
+GPUs of its own (``CUDA_VISIBLE_DEVICES``, a rendezvous port each), so one command compares them on one machine in
+the time of the slowest; each child is still alone on its devices.
+
 Several GPUs: a launch other than ``1gpu`` names one of TRL's shipped accelerate configs (``multi_gpu``, ``zero2``,
 …); the variant's child is then ``accelerate launch`` of this module, each rank samples its own GPU and writes its
 own row, and the driver merges them (peak: the largest of any GPU; step time: the slowest rank's median). Every rank
@@ -46,6 +50,7 @@ from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from . import parse_turbo_overrides, peers
+from .gpu_children import free_port
 from .hardware import measure as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
 from .peers import PEER_VARIANTS
@@ -467,7 +472,22 @@ def launch_command(launch: str, processes: int) -> list[str]:
     if not config.exists():
         raise SystemExit(f"unknown launch {launch!r}: TRL ships no accelerate config {config.name}")
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-            str(processes), "-m", "trl_turbo.bench.e2e"]
+            str(processes), "--main_process_port", str(free_port()), "-m", "trl_turbo.bench.e2e"]
+
+
+def visible_devices(count: int) -> list[str]:
+    """The GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` names them for a child (indices when it is unset)."""
+    named = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+    return named[:count] if named else [str(index) for index in range(count)]
+
+
+def side_by_side_devices(processes: list[int], devices: list[str]) -> list[list[str]]:
+    """Disjoint consecutive groups of `devices`, `processes[i]` GPUs for job i; refused when there are too few."""
+    if sum(processes) > len(devices):
+        raise SystemExit(f"--side-by-side needs {sum(processes)} GPUs for these variants and launches, this machine "
+                         f"shows {len(devices)}: drop variants or run them one after the other")
+    starts = [sum(processes[:index]) for index in range(len(processes))]
+    return [devices[start:start + count] for start, count in zip(starts, processes, strict=True)]
 
 
 def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -488,18 +508,23 @@ def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def _run_child(spec: dict[str, Any], timeout_s: float, devices: list[str] | None = None) -> dict[str, Any]:
+    """Run one variant's child to completion and return its (rank-merged) row; `devices`: the GPUs it may see (all of
+    this process's when None)."""
     processes = spec["processes"]
     with tempfile.TemporaryDirectory() as scratch:
         spec_path = Path(scratch) / "spec.json"
         row_paths = [Path(scratch) / f"row{rank}.json" for rank in range(processes)]
         spec_path.write_text(json.dumps({**spec, "row_dir": scratch}))
+        base = fresh_rendezvous_env()
+        if devices is not None:  # side by side: its own GPUs, rendezvous port and compile cache
+            base.update(CUDA_VISIBLE_DEVICES=",".join(devices), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                        UNSLOTH_COMPILE_LOCATION=str(Path(scratch) / "unsloth_compiled_cache"))
         try:
             if peers.is_peer(spec["variant"]):
-                command, env = peers.child_command(spec_path), peers.child_env(fresh_rendezvous_env(),
-                                                                               spec["unsloth_site"])
+                command, env = peers.child_command(spec_path), peers.child_env(base, spec["unsloth_site"])
             else:
-                command, env = [*launch_command(spec["launch"], processes), str(spec_path)], fresh_rendezvous_env()
+                command, env = [*launch_command(spec["launch"], processes), str(spec_path)], base
             process = run_launch(command, timeout=timeout_s, env=env, capture=False)
             failure = None if process.returncode == 0 else f"child exited with {process.returncode}"
         except subprocess.TimeoutExpired:
@@ -539,6 +564,9 @@ def run(args: argparse.Namespace) -> Path:
                              quantization=args.quantization)
     if refused:
         raise SystemExit("; ".join(refused))
+    if args.side_by_side and args.gpu_gib is not None:
+        raise SystemExit("--gpu-gib caps a variant beside the driver's own CUDA context on GPU 0: run capped variants "
+                         "one after the other (leave out --side-by-side)")
     if args.gpu_gib is not None and args.gpu_gib <= 0:
         raise SystemExit(f"--gpu-gib must be a positive number of GiB, got {args.gpu_gib}")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -565,8 +593,8 @@ def run(args: argparse.Namespace) -> Path:
               "lora": None if args.full_finetuning else {"r": 16, "alpha": 16, "target_modules": "all-linear"},
               "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
-              "launches": launches, "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes
-                                                             for launch in launches},
+              "side_by_side": args.side_by_side, "launches": launches,
+              "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes for launch in launches},
               "variant_config": {v: variant_config(v, overrides) for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
                                 "generation_kwargs": {"ignore_eos": True},
@@ -577,20 +605,43 @@ def run(args: argparse.Namespace) -> Path:
     preset = ("" if args.preset == "anchor" else f"-{args.preset}") + ("-full" if args.full_finetuning else "")
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
     stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"
-    rows: list[dict[str, Any]] = []
+    jobs = [(launch, variant) for launch in launches for variant in variants]
+    placements = (side_by_side_devices([config["processes_per_launch"][launch] for launch, _ in jobs],
+                                       visible_devices(torch.cuda.device_count()))
+                  if args.side_by_side else [None] * len(jobs))
+    rows: list[dict[str, Any] | None] = [None] * len(jobs)
+    written = threading.Lock()
+
+    def run_job(index: int, output_dir: str) -> None:
+        launch, variant = jobs[index]
+        spec = {"variant": variant, "launch": launch, "processes": config["processes_per_launch"][launch],
+                "checkpoint": str(checkpoint), "output_dir": str(Path(output_dir) / f"job{index}"),
+                "device_used_before": total - free if placements[index] is None else 0,
+                "unsloth_site": args.unsloth_site, **config}
+        try:
+            row = _run_child(spec, args.variant_timeout, placements[index])
+        except Exception as exc:  # the other variants, running beside it, go on
+            row = {"variant": variant, "launch": launch, "ok": False, "error": repr(exc)}
+        row["roofline"] = row_roofline(row, config, hardware)
+        if placements[index] is not None:
+            row["devices"] = placements[index]
+        with written:
+            rows[index] = row
+            print(format_row(row), flush=True)
+            print(format_roofline(row, row["roofline"]), flush=True)
+            write_results(meta, [r for r in rows if r is not None], Path(args.out), stem)
+
     with tempfile.TemporaryDirectory() as output_dir:
-        for launch in launches:
-            for variant in variants:
-                processes = config["processes_per_launch"][launch]
-                spec = {"variant": variant, "launch": launch, "processes": processes, "checkpoint": str(checkpoint),
-                        "output_dir": output_dir, "device_used_before": total - free,
-                        "unsloth_site": args.unsloth_site, **config}
-                row = _run_child(spec, args.variant_timeout)
-                row["roofline"] = row_roofline(row, config, hardware)
-                rows.append(row)
-                print(format_row(row), flush=True)
-                print(format_roofline(row, row["roofline"]), flush=True)
-                path = write_results(meta, rows, Path(args.out), stem)
+        if args.side_by_side:
+            threads = [threading.Thread(target=run_job, args=(index, output_dir)) for index in range(len(jobs))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            for index in range(len(jobs)):
+                run_job(index, output_dir)
+    rows = [row for row in rows if row is not None]
     meta["scaling"] = scaling(rows, workload["completion_len"])
     path = write_results(meta, rows, Path(args.out), stem)
     print(json.dumps(meta["scaling"], indent=1))
@@ -739,6 +790,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")
     parser.add_argument("--unsloth-site", default=os.environ.get("TRL_TURBO_UNSLOTH_SITE"),
                         help="site directory with Unsloth and its pins, for the unsloth variants (docs/benchmarks.md)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run the variants at the same time, each on GPUs of its own (variants x launches x "
+                             "processes GPUs needed)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)

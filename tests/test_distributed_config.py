@@ -10,7 +10,7 @@ import warnings
 import pytest
 from helpers import as_if_vllm_installed
 
-from trl_turbo import losses
+from trl_turbo import distributed, losses
 from trl_turbo.checks import check_config
 from trl_turbo.distributed import FEATURE_STRATEGIES, Strategy, detect_strategy, local_process_count
 
@@ -77,23 +77,32 @@ def test_strategy_from_training_arguments_and_deepspeed_config_files(monkeypatch
     assert detect_strategy(_args(1)) is Strategy.ZERO3  # ZeRO shards even a single process's optimizer
 
 
+@pytest.mark.parametrize("transformers_version", ["5.17.0", "5.23.0"])
 @pytest.mark.parametrize("strategy", list(Strategy), ids=lambda s: s.name)
-def test_offload_and_tiles_stay_off_with_a_warning_only_where_parameters_are_sharded(monkeypatch, strategy):
+def test_offload_and_tiles_stay_off_with_a_warning_only_where_layers_cannot_reach_whole_parameters(
+        monkeypatch, strategy, transformers_version):
+    """Whole parameters per rank: on. FSDP2: on from transformers 5.23 (a layer checkpoints its forward inside
+    FSDP2's hooks), before that off with the upgrade named. ZeRO-3, FSDP1: off."""
+    monkeypatch.setattr("trl_turbo.versions.installed_version", lambda package: transformers_version)
     args = _args(_launch(monkeypatch, strategy), gradient_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_config(args)
     ours = [w for w in caught if "trl_turbo" in str(w.message)]
-    if strategy in WHOLE:
+    runs = strategy in WHOLE or (strategy is Strategy.FSDP2 and transformers_version >= "5.23")
+    assert (strategy in distributed.checkpointing_strategies()) is runs
+    if runs:
         assert not ours
     else:
         assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
         message = str(ours[0].message)
         assert "`turbo_offload_checkpoints` and `turbo_tiled_mlp`" in message and strategy.value in message
-        assert "DDP or ZeRO-1/2" in message  # names the alternative
+        assert "DDP, ZeRO-1/2 and FSDP2 (with transformers >= 5.23)" in message  # names the alternatives
+        if strategy is Strategy.FSDP2:
+            assert "transformers 5.17.0: `pip install 'transformers>=5.23'`" in message
     from trl_turbo.run_plan import strategy_refusal
 
-    assert (strategy_refusal(args) is not None) is (strategy not in WHOLE)
+    assert (strategy_refusal(args) is None) is runs
 
 
 def test_no_warning_when_the_features_are_off_or_checkpointing_is(monkeypatch):
@@ -175,6 +184,7 @@ def test_local_process_count_divides_the_host(monkeypatch):
 def test_real_config_under_an_fsdp2_launch_warns_once(monkeypatch, tmp_path):
     from trl import GRPOConfig
 
+    monkeypatch.setattr("trl_turbo.versions.installed_version", lambda package: "5.22.0")
     _launch(monkeypatch, Strategy.FSDP2)
-    with pytest.warns(RuntimeWarning, match="stay off in this run.*FSDP2"):
+    with pytest.warns(RuntimeWarning, match="stay off in this run.*transformers>=5.23.*FSDP2"):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", gradient_checkpointing=True)

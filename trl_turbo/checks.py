@@ -154,8 +154,9 @@ def _check_memory_features_strategy(args: Any, settings: Settings) -> None:
         warnings.warn(
             f"trl_turbo: {names} stay off in this run: {next(iter(unsupported.values()))}. This run keeps "
             "transformers' gradient checkpointing and the plain MLP; every other trl_turbo feature stays on. "
-            "Alternatives: DDP or ZeRO-1/2 keep these features; under ZeRO-3, DeepSpeed's `offload_param_device: "
-            "cpu` moves weights to the host; under FSDP, `fsdp_offload_params`. Set them to False to silence this.",
+            "Alternatives: DDP, ZeRO-1/2 and FSDP2 (with transformers >= 5.23) keep these features; under ZeRO-3, "
+            "DeepSpeed's `offload_param_device: cpu` moves weights to the host; under FSDP1, `fsdp_offload_params`. "
+            "Set them to False to silence this.",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -8,8 +8,8 @@ transformers builds from it) and the environment that `accelerate launch` sets f
 (`ACCELERATE_USE_DEEPSPEED` with `ACCELERATE_DEEPSPEED_ZERO_STAGE` or a DeepSpeed config file, `ACCELERATE_USE_FSDP`
 with `FSDP_VERSION`), or TrainingArguments' `fsdp` field. Nothing here imports deepspeed or touches a process group.
 
-What each feature needs is declared once, in `FEATURE_STRATEGIES`; config validation, the checkpointing setup and
-README's table read it.
+What each feature needs is declared once, in `FEATURE_STRATEGIES` (and `VERSION_GATES` where a strategy needs a
+newer library); config validation and the checkpointing setup read it.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ CHECKPOINTING_FEATURES = ("turbo_offload_checkpoints", "turbo_tiled_mlp")
 # Feature → the strategies it works under, and why not under the others (shown in errors and warnings).
 FEATURE_STRATEGIES: dict[str, tuple[frozenset[Strategy], str]] = {
     "turbo_offload_checkpoints": (
-        WHOLE_PARAMETER_STRATEGIES,
+        WHOLE_PARAMETER_STRATEGIES | {Strategy.FSDP2},
         "trl_turbo's checkpoint function hands each layer's parameter gradients to the outer backward pass, which "
-        "needs the parameters whole when the layer is called; ZeRO-3 and FSDP gather them only inside the layer",
+        "needs the parameters whole when the layer is called; ZeRO-3 and FSDP1 gather them only inside the layer",
     ),
     "turbo_tiled_mlp": (
-        WHOLE_PARAMETER_STRATEGIES,
-        "the tiled MLP's backward pass reuses the MLP's parameters outside the module call, where ZeRO-3 and FSDP "
+        WHOLE_PARAMETER_STRATEGIES | {Strategy.FSDP2},
+        "the tiled MLP's backward pass reuses the MLP's parameters outside the module call, where ZeRO-3 and FSDP1 "
         "have released them",
     ),
     "turbo_vllm_shared_weights": (
@@ -54,6 +54,15 @@ FEATURE_STRATEGIES: dict[str, tuple[frozenset[Strategy], str]] = {
         "the training model's frozen weights become views of vLLM's weights, whole or tensor-parallel slices; "
         "ZeRO-3 and FSDP1 keep a flat shard of each weight per rank, which is neither",
     ),
+}
+
+
+# (feature, strategy) → the library version from which the feature works under that strategy, and why.
+_FSDP2_LAYER_FORWARD = ("transformers", "5.23", "from transformers 5.23 a decoder layer checkpoints its forward, "
+                        "inside FSDP2's hooks, where the layer's parameters are gathered")
+VERSION_GATES: dict[tuple[str, Strategy], tuple[str, str, str]] = {
+    ("turbo_offload_checkpoints", Strategy.FSDP2): _FSDP2_LAYER_FORWARD,
+    ("turbo_tiled_mlp", Strategy.FSDP2): _FSDP2_LAYER_FORWARD,
 }
 
 
@@ -107,7 +116,33 @@ def unsupported_features(args: Any, features: list[str]) -> dict[str, str]:
         supported, reason = FEATURE_STRATEGIES.get(name, (ALL_STRATEGIES, ""))
         if strategy not in supported:
             unsupported[name] = f"{reason} (this run: {strategy.value})"
+        elif (gap := version_gap(name, strategy)) is not None:
+            unsupported[name] = f"{gap} (this run: {strategy.value})"
     return unsupported
+
+
+def version_gap(feature: str, strategy: Strategy) -> str | None:
+    """Why `feature` needs a newer library under `strategy` than the one installed, naming the upgrade; None: it
+    does not."""
+    from packaging.version import Version
+
+    from .versions import installed_version
+
+    gate = VERSION_GATES.get((feature, strategy))
+    if gate is None:
+        return None
+    package, minimum, why = gate
+    installed = installed_version(package)
+    if installed is not None and Version(installed) >= Version(minimum):
+        return None
+    return f"{why}; this run has {package} {installed or 'not installed'}: `pip install '{package}>={minimum}'`"
+
+
+def checkpointing_strategies() -> frozenset[Strategy]:
+    """The strategies under which trl_turbo's checkpointing features run with the installed libraries."""
+    return frozenset(strategy for strategy in Strategy
+                     if all(strategy in FEATURE_STRATEGIES[name][0] and version_gap(name, strategy) is None
+                            for name in CHECKPOINTING_FEATURES))
 
 
 def local_process_count() -> int:

@@ -7,7 +7,7 @@ parameters when trl_turbo's function is called and gathers them again (its pre-b
 Checked per rank after one forward and backward of a LoRA model: the checkpoint function's gradients (FSDP2's
 reduce-scattered shards, gathered whole) equal transformers' checkpointing bitwise, the tiled MLP's within float
 reassociation, with the same number of all-gathers, and the offloader moved the saved layer inputs. (A run under
-FSDP2 keeps both features off until they are checked on GPUs: `distributed.FEATURE_STRATEGIES`.)
+FSDP2 turns both features on from transformers 5.23: `distributed.VERSION_GATES`.)
 """
 
 from __future__ import annotations

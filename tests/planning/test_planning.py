@@ -272,8 +272,10 @@ def test_hsdp_shards_the_training_state_over_the_tensor_parallel_group_only(monk
 
 
 def test_where_trl_turbos_checkpointing_is_off_the_forecast_trains_as_the_run_does(monkeypatch):
-    """Under FSDP2 the run keeps transformers' checkpointing (no layer plan), one sequence group at a time: so does
-    the forecast, and the report says so instead of printing a layer plan the run would not make."""
+    """Under FSDP2 with transformers before 5.23 the run keeps transformers' checkpointing (no layer plan), one
+    sequence group at a time: so does the forecast, and the report says so instead of printing a layer plan the run
+    would not make. From 5.23 both plan the layers."""
+    monkeypatch.setattr("trl_turbo.versions.installed_version", lambda package: "5.22.0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     spec = model_spec(load_config("llama-3.1-8b"), 16)
     args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=16,
@@ -289,3 +291,6 @@ def test_where_trl_turbos_checkpointing_is_off_the_forecast_trains_as_the_run_do
                                                    "vllm_tensor_parallel_size": 1}),
                           spec, capacity_bytes=80 * 2**30, prompt_tokens=64)
     assert single.plan.memory.checkpointing and single.training.plan is not None  # one GPU: the layer plan
+    monkeypatch.setattr("trl_turbo.versions.installed_version", lambda package: "5.23.0")
+    layered = forecast_run(args, spec, capacity_bytes=80 * 2**30, prompt_tokens=64)
+    assert layered.plan.memory.checkpointing and layered.training.plan is not None

@@ -130,7 +130,8 @@ def run(out: str, steps: int, variant: str) -> None:
     with parity.patch_state(variant):
         from trl import GRPOConfig, GRPOTrainer
 
-        overrides = {} if variant == "turbo" else parity.ALL_FEATURES_OFF
+        # turbo: every layer checkpointed and offloaded, every MLP tiled ("auto" would keep this small model whole)
+        overrides = {"turbo_memory_plan": "min"} if variant == "turbo" else parity.ALL_FEATURES_OFF
         config = GRPOConfig(**parity.base_config_kwargs(
             out + ".trainer", use_cpu=not torch.cuda.is_available(), max_steps=steps,
             per_device_train_batch_size=GLOBAL_BATCH // state.num_processes,

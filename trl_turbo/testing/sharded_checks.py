@@ -55,10 +55,19 @@ def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
 
 
 def starting_model(checkpoint: Path, device: torch.device) -> torch.nn.Module:
-    """The checkpoint the run started from, whole on `device`: the policy full fine-tuning must have left."""
-    from transformers import AutoModelForCausalLM
+    """The checkpoint the run started from, whole on `device`: the policy full fine-tuning must have left. Its
+    tensors are read from the files, not through `from_pretrained`, which under an FSDP launch with RAM-efficient
+    loading gives every rank but the first empty weights (to be broadcast when FSDP wraps the model)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).to(device).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(checkpoint)), dtype=torch.bfloat16)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        state.update(load_file(str(path), device=str(device)))
+    model.load_state_dict(state, strict=True)
+    return model.eval()
 
 
 @torch.no_grad()

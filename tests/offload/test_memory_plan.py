@@ -272,13 +272,29 @@ def test_a_tight_budget_buys_smaller_groups_that_keep_more_layers():
     assert rows == 2  # 1.09x per token without recompute beats every larger group's recompute
     costs = {r: memory_plan.plan_cost(plan_for(r * 2112), 32) for r in (16, 8, 4, 2)}
     assert costs[2] == min(costs.values()) and costs[16] > 1.3
-    # one sequence (2112 tokens) is below the smallest group worth planning: never picked, even with no room at all
-    assert memory_plan.fastest_group_rows(16, 2112, None, 32, _layer_plans(32, 1000, 0)) == 16
+    # with no room at all the smallest working set wins, but one sequence (2112 tokens) is below the smallest group
+    # worth planning: never picked
+    assert memory_plan.fastest_group_rows(16, 2112, None, 32, _layer_plans(32, 1000, 0)) == 2
     # a split is priced as it runs: 16 sequences of 1500 tokens in groups of at most 3 run as 3,3,3,3,2,2, whose
     # 2-sequence groups (3000 tokens) are under the floor; 16 in groups of 3 or 4 never comes out of it
     tight = _layer_plans(32, 1000, 33 * 1000 * 3 * 1500)
     rows = memory_plan.fastest_group_rows(16, 1500, None, 32, tight)
     assert (16 // -(-16 // rows)) * 1500 >= memory_plan.MIN_PLANNED_GROUP_TOKENS
+
+
+def test_a_split_that_fits_the_budget_beats_a_faster_one_that_does_not():
+    """Under standby the budget is the generation's peak: larger groups price faster per token, but where even their
+    most frugal plan (every layer recomputed) overruns the budget, the split into groups that fit is taken."""
+    from trl_turbo.offload import memory_plan
+
+    # 1000 bytes a token for the first layer's activations and as much for a layer's backward working set: room for
+    # 2 sequences of 4160 tokens, not for 4
+    spendable = 2 * 1000 * 2 * 4160 + 1
+    plan_for = _layer_plans(32, 1000, spendable)
+    assert plan_for(4 * 4160).available_bytes < 0 <= plan_for(2 * 4160).available_bytes
+    cost = {rows: memory_plan.plan_cost(plan_for(rows * 4160), 32) for rows in (4, 2)}
+    assert cost[4] < cost[2]  # the larger groups would be faster
+    assert memory_plan.fastest_group_rows(8, 4160, 32768, 32, plan_for) == 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])

@@ -226,20 +226,25 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
     """Sequences in the largest group of the split of a micro-batch of `sequences` x `length` tokens (forwards of at
     most `max_tokens`, None: unlimited) with the lowest `plan_cost`; `plan_for(tokens)` plans a forward of that many
     tokens. Each number of groups `grpo.sequence_groups` can run is priced as it runs: memory by its largest group,
-    time by its mean one. Splits whose smallest group is under `MIN_PLANNED_GROUP_TOKENS` are not considered (the
-    fewest groups the token budget allows always are); ties go to fewer groups."""
+    time by its mean one. A split whose plan fits its budget (even its most frugal plan leaves the budget whole) beats
+    every split that does not, however fast: the budget is a promise (under standby, the generation's peak); among
+    splits that do not fit, the smallest predicted peak wins. Splits whose smallest group is under
+    `MIN_PLANNED_GROUP_TOKENS` are not considered (the fewest groups the token budget allows always are); ties go to
+    fewer groups."""
     largest = sequences if max_tokens is None else max(1, min(sequences, max_tokens // length))
     fewest = -(-sequences // largest)
-    best_rows, best_cost = -(-sequences // fewest), math.inf
+    best_rows, best_key = -(-sequences // fewest), (2, math.inf)
     for count in range(fewest, sequences + 1):
         rows = -(-sequences // count)
         if -(-sequences // rows) != count:
             continue  # the split runs these groups as fewer ones of the same size, priced at that count
         if count > fewest and (sequences // count) * length < MIN_PLANNED_GROUP_TOKENS:
             break
-        cost = plan_cost(plan_for(rows * length), layer_count, sequences * length / count)
-        if cost < best_cost - 1e-9:
-            best_rows, best_cost = rows, cost
+        plan = plan_for(rows * length)
+        key = ((0, plan_cost(plan, layer_count, sequences * length / count)) if plan.available_bytes >= 0
+               else (1, float(plan.predicted_peak_bytes)))
+        if key[0] < best_key[0] or (key[0] == best_key[0] and key[1] < best_key[1] * (1 - 1e-9) - 1e-9):
+            best_rows, best_key = rows, key
     return best_rows
 
 

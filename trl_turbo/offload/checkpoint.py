@@ -25,8 +25,10 @@ Gradients leave the backward pass through the Function's outputs only. The layer
 of the Function, and the recompute differentiates with `torch.autograd.grad` (which writes no `.grad`), so every
 parameter is accumulated once, by the outer backward pass, as for an uncheckpointed layer. DDP and ZeRO-1/2 hook
 that accumulation to reduce gradients; a nested `backward()` would fire their hooks inside another backward pass,
-where DDP refuses them. This needs the parameters whole when the layer is called (not ZeRO-3 or FSDP, which
-gather them inside the layer's own call); `trl_turbo.distributed` keeps the function off there.
+where DDP refuses them. This needs the parameters whole when the function is called: under FSDP2 it is, from
+transformers 5.23, whose layers checkpoint their `forward` inside FSDP2's hooks (FSDP2's pre-backward hook gathers them
+again for the recompute); ZeRO-3 and FSDP1 gather them inside the call, so `trl_turbo.distributed` keeps the function
+off there.
 """
 
 from __future__ import annotations

@@ -243,9 +243,14 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
         plan = plan_for(rows * length)
         key = ((0, plan_cost(plan, layer_count, sequences * length / count)) if plan.available_bytes >= 0
                else (1, float(plan.predicted_peak_bytes)))
-        if key[0] < best_key[0] or (key[0] == best_key[0] and key[1] < best_key[1] * (1 - 1e-9) - 1e-9):
+        if _ranks_before(key, best_key):
             best_rows, best_key = rows, key
     return best_rows
+
+
+def _ranks_before(key: tuple[int, float], best: tuple[int, float]) -> bool:
+    """(class, value) keys: a lower class first, then a lower value; a near-tie keeps `best` (the fewer groups)."""
+    return key[0] < best[0] or (key[0] == best[0] and key[1] < best[1] - 1e-9 * max(1.0, abs(best[1])))
 
 
 @dataclass

@@ -267,7 +267,8 @@ def cumem_pools() -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------------- worker
 _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "vllm/weight_sync_s",
-           "vllm/shared_weights_gib", "vllm/separate_copy_gib", "vllm/weight_copy_s", "vllm/released_copies_gib",
+           "vllm/shared_weights_gib", "vllm/separate_copy_gib", "vllm/weight_copy_s", "vllm/weight_map_s",
+           "vllm/weight_cast_s", "vllm/weight_reload_s", "vllm/released_copies_gib",
            "vllm/generation_s", "vllm/kv_released_gib", "vllm/kv_restored_gib", "memory/device_peak_gib/max",
            "vllm/generation_used_gib", "sampling/sampling_logp_difference/mean",
            "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/p95", "vllm/merge_s",

@@ -86,6 +86,7 @@ def sync_trained_weights(state: EngineState) -> None:
     copies (mapped back first where they were released with the KV cache)."""
     if state.weight_copies is not None:
         state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(state.weight_copies, state.standby)
+        state.metrics.update(state.weight_copies.split)
 
 
 @contextlib.contextmanager
@@ -106,6 +107,7 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
         if copies is not None and trained_weights.stale(copies, standby):  # released since the last sync wrote them
             # whether a copy was released depends on this rank's allocator: no collective may hang on the decision
             state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(copies, standby, casts_only=True)
+            state.metrics.update(copies.split)
         if fp8 is not None:
             if standby is not None:
                 standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache

@@ -37,6 +37,7 @@ class WeightCopies:
     shared_bytes: int = 0  # training parameters that are vLLM's memory (nothing to copy)
     released_bytes: int = 0  # vLLM's copies released with the KV cache between generations
     written_at: int = 0  # the standby's `weight_releases` when the released copies were last written
+    split: dict[str, float] = field(default_factory=dict)  # the last refresh's seconds by part, as metrics
 
     @property
     def cast_bytes(self) -> int:
@@ -49,13 +50,21 @@ class WeightCopies:
         start = time.perf_counter()
         for source, target in self.casts:
             target.copy_(local_of(source))
+        _synchronize()
+        cast_done = time.perf_counter()
         for name, param in [] if casts_only else self.reloads:
             if self.load is None:
                 raise RuntimeError("trl_turbo: no loader for the weights vLLM lays out itself")
             self.load(name, whole_of(param).detach())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+        _synchronize()
+        end = time.perf_counter()
+        self.split.update({"vllm/weight_cast_s": cast_done - start, "vllm/weight_reload_s": end - cast_done})
+        return end - start
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def share_trained_weights(params: Sequence[tuple[str, torch.nn.Parameter]], regions: dict[str, torch.Tensor],
@@ -128,13 +137,17 @@ def stale(copies: WeightCopies, standby: Any) -> bool:
 
 def refresh(copies: WeightCopies, standby: Any, casts_only: bool = False) -> float:
     """Write the trained parameters into vLLM's copies, mapping released ones back first (after torch's cached blocks
-    went back to the driver: training may have grown into the released bytes); returns the seconds. `casts_only`: a
-    decision one rank makes alone (the released copies are cast targets only; the reloads are collective)."""
+    went back to the driver: training may have grown into the released bytes); returns the seconds, split by part in
+    `copies.split`. `casts_only`: a decision one rank makes alone (the released copies are cast targets only; the
+    reloads are collective)."""
+    start = time.perf_counter()
     if copies.released_bytes and standby is not None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         standby.restore_weights()
+    mapped = time.perf_counter()
     seconds = copies.sync(casts_only=casts_only)
+    copies.split["vllm/weight_map_s"] = mapped - start
     if standby is not None:
         copies.written_at = standby.weight_releases
-    return seconds
+    return seconds + mapped - start

@@ -19,6 +19,10 @@ import json
 import os
 from typing import Any
 
+from packaging.version import Version
+
+from . import versions
+
 
 class Strategy(str, enum.Enum):
     SINGLE = "single process"
@@ -124,15 +128,11 @@ def unsupported_features(args: Any, features: list[str]) -> dict[str, str]:
 def version_gap(feature: str, strategy: Strategy) -> str | None:
     """Why `feature` needs a newer library under `strategy` than the one installed, naming the upgrade; None: it
     does not."""
-    from packaging.version import Version
-
-    from .versions import installed_version
-
     gate = VERSION_GATES.get((feature, strategy))
     if gate is None:
         return None
     package, minimum, why = gate
-    installed = installed_version(package)
+    installed = versions.installed_version(package)
     if installed is not None and Version(installed) >= Version(minimum):
         return None
     return f"{why}; this run has {package} {installed or 'not installed'}: `pip install '{package}>={minimum}'`"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trl_turbo.bench import __main__ as cli
-from trl_turbo.bench import e2e, loss, parse_turbo_overrides, results, train
+from trl_turbo.bench import e2e, gpu_children, loss, parse_turbo_overrides, results, train
 from trl_turbo.planning.shapes import LOSS_PRESETS, SHAPES, build_config
 
 TOP_KEYS = {"benchmark", "commit", "dirty", "date", "gpu", "versions", "command", "config", "rows"}
@@ -330,9 +330,9 @@ def test_e2e_side_by_side_gives_each_variant_gpus_and_a_port_of_its_own(tmp_path
     with pytest.raises(SystemExit, match="needs 5 GPUs .* shows 4"):
         e2e.side_by_side_devices([2, 2, 1], ["0", "1", "2", "3"])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    assert e2e.visible_devices(2) == ["4", "6"]
+    assert gpu_children.visible_devices(2) == ["4", "6"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert e2e.visible_devices(3) == ["0", "1", "2"]
+    assert gpu_children.visible_devices(3) == ["0", "1", "2"]
 
     seen: list[dict[str, str]] = []
 

@@ -50,7 +50,7 @@ from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from . import parse_turbo_overrides, peers
-from .gpu_children import free_port
+from .gpu_children import free_port, visible_devices
 from .hardware import measure as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
 from .peers import PEER_VARIANTS
@@ -476,12 +476,6 @@ def launch_command(launch: str, processes: int) -> list[str]:
             str(processes), "--main_process_port", str(free_port()), "-m", "trl_turbo.bench.e2e"]
 
 
-def visible_devices(count: int) -> list[str]:
-    """The GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` names them for a child (indices when it is unset)."""
-    named = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
-    return named[:count] if named else [str(index) for index in range(count)]
-
-
 def side_by_side_devices(processes: list[int], devices: list[str]) -> list[list[str]]:
     """Disjoint consecutive groups of `devices`, `processes[i]` GPUs for job i; refused when there are too few."""
     if sum(processes) > len(devices):
@@ -617,7 +611,7 @@ def run(args: argparse.Namespace) -> Path:
         launch, variant = jobs[index]
         spec = {"variant": variant, "launch": launch, "processes": config["processes_per_launch"][launch],
                 "checkpoint": str(checkpoint), "output_dir": str(Path(output_dir) / f"job{index}"),
-                "device_used_before": total - free if placements[index] is None else 0,
+                "device_used_before": total - free,
                 "unsloth_site": args.unsloth_site, **config}
         try:
             row = _run_child(spec, args.variant_timeout, placements[index])

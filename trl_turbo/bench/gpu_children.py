@@ -38,11 +38,11 @@ def run_jobs(module: str, specs: list[dict[str, Any]], gpus: list[str], timeout_
     :func:`save_row` to ``spec["row_path"]`` and stops by ``spec["deadline"]`` (seconds since the epoch)."""
     if len(set(gpus)) != len(gpus) or not gpus:
         raise SystemExit(f"--gpus names each GPU once (the jobs of one GPU run one after the other), got {gpus}")
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    names = visible_devices(max(int(gpu) for gpu in gpus) + 1)
     rows: list[dict[str, Any] | None] = [None] * len(specs)
     with tempfile.TemporaryDirectory() as scratch:
         def queue(gpu: str, indices: list[int]) -> None:
-            device = visible[int(gpu)] if visible else gpu
+            device = names[int(gpu)]
             for index in indices:
                 try:
                     rows[index] = _run_one(module, specs[index], device, Path(scratch) / f"job{index}", timeout_s)
@@ -86,6 +86,13 @@ def _run_one(module: str, spec: dict[str, Any], device: str, scratch: Path, time
         tail = (scratch / "log.txt").read_text()[-3000:]
         row["error"] = f"{failure}: {row.get('error') or tail}"
     return {"name": spec.get("name"), "gpu": device, **row}
+
+
+def visible_devices(count: int) -> list[str]:
+    """The first `count` GPUs this process sees, as ``CUDA_VISIBLE_DEVICES`` names them for a child (indices when it
+    is unset)."""
+    named = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+    return named[:count] if named else [str(index) for index in range(count)]
 
 
 def free_port() -> int:

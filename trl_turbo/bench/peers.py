@@ -76,6 +76,6 @@ def child_env(base: dict[str, str], site: str) -> dict[str, str]:
 
 def versions() -> dict[str, str | None]:
     """The installed versions the peer's row was measured with."""
-    from .results import installed_version
+    from ..versions import installed_version
 
     return {name: installed_version(name) for name in VERSIONED}

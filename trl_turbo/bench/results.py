@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..versions import installed_version
 
 GIB = 1024**3
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
@@ -68,13 +69,6 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def metadata(benchmark: str, device: torch.device, config: dict[str, Any]) -> dict[str, Any]:

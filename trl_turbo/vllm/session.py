@@ -81,11 +81,12 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
     return state, plan
 
 
-def sync_trained_weights(state: EngineState) -> None:
+def sync_trained_weights(state: EngineState, casts_only: bool = False) -> None:
     """Full fine-tuning's weight sync: the trained parameters that are not vLLM's memory are written into vLLM's
-    copies (mapped back first where they were released with the KV cache)."""
+    copies (mapped back first where they were released with the KV cache). `casts_only`: without the collective
+    reloads (see `trained_weights.refresh`)."""
     if state.weight_copies is not None:
-        state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(state.weight_copies, state.standby)
+        state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(state.weight_copies, state.standby, casts_only)
         state.metrics.update(state.weight_copies.split)
 
 
@@ -106,8 +107,7 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
         copies = state.weight_copies
         if copies is not None and trained_weights.stale(copies, standby):  # released since the last sync wrote them
             # whether a copy was released depends on this rank's allocator: no collective may hang on the decision
-            state.metrics["vllm/weight_copy_s"] = trained_weights.refresh(copies, standby, casts_only=True)
-            state.metrics.update(copies.split)
+            sync_trained_weights(state, casts_only=True)
         if fp8 is not None:
             if standby is not None:
                 standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache

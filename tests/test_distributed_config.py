@@ -153,9 +153,8 @@ def test_fsdp2_sharing_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="must divide the 2 processes per node.*Sizes that fit: \\[1, 2\\]"):
         check_config(_args(world_size, vllm_tensor_parallel_size=4, **shared))
     check_config(_args(world_size, vllm_tensor_parallel_size=2, turbo_vllm_sampling="merged", **shared))
-    with pytest.raises(ValueError, match="turbo_vllm_sampling='fp8'.*FSDP2.*'merged'"):
-        check_config(_args(world_size, vllm_tensor_parallel_size=2, turbo_vllm_sampling="fp8",
-                           vllm_importance_sampling_mode="token_truncate", **shared))
+    check_config(_args(world_size, vllm_tensor_parallel_size=2, turbo_vllm_sampling="fp8",  # an fp8 copy per shard
+                       vllm_importance_sampling_mode="token_truncate", **shared))
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     with pytest.raises(ValueError, match="fsdp_offload_params"):
         check_config(_args(world_size, vllm_tensor_parallel_size=2, **shared))

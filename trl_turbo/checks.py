@@ -244,9 +244,6 @@ def _check_sharded_sharing(args: Any, settings: Settings) -> None:
         raise ValueError(f"`vllm_tensor_parallel_size={tp}` must divide the {per_node} processes per node (and the "
                          f"world of {world}): with shared weights each tensor-parallel group is also an FSDP2 shard "
                          f"group within one node. Sizes that fit: {[t for t in (1, 2, 4, 8) if per_node % t == 0]}.")
-    if settings.vllm_sampling is SamplingMode.FP8:
-        raise ValueError("`turbo_vllm_sampling='fp8'` is not available yet when FSDP2 shards the training model; use "
-                         "`turbo_vllm_sampling='merged'` or 'lora' (or 'auto', which picks one).")
     if fsdp_offloads_params():
         raise ValueError("`turbo_vllm_shared_weights=True` keeps FSDP2's shards in vLLM's device memory, which "
                          "`fsdp_offload_params: true` would move to the host; set it to false in the accelerate "

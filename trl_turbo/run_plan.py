@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checks import check_trainer, liger_unavailable, policy_model_type
-from .config import RolloutCheckMode, Settings
+from .config import RolloutCheckMode, SamplingMode, Settings
 from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
 from .families import MODEL_TYPES
 from .offload.policy import MemoryPolicy, plan_memory
-from .sharding.shard_placement import unshared_adapted_weights
+from .sharding.shard_placement import unshared_adapted_weights, unshared_projection_weights
 from .vllm.engine_plan import (
     EngineFacts,
     EnginePlan,
@@ -155,8 +155,12 @@ def plan_engine_for(config: Any, generation: Any) -> EnginePlan:
     facts = engine_facts(generation.model) if colocate and settings.vllm_shared_weights else None
     fsdp2 = config is not None and detect_strategy(config) is Strategy.FSDP2
     tp_size = getattr(generation, "tensor_parallel_size", 1)
-    unshared = unshared_adapted_weights(generation.model, tp_size) if fsdp2 and facts is not None else []
-    plan = plan_engine(settings, facts, colocate=colocate, tp_size=tp_size, fsdp2=fsdp2, unshared_adapted=unshared)
+    sharded = fsdp2 and facts is not None
+    unshared = unshared_adapted_weights(generation.model, tp_size) if sharded else []
+    projections = (unshared_projection_weights(generation.model, tp_size)
+                   if sharded and settings.vllm_sampling is SamplingMode.FP8 else [])
+    plan = plan_engine(settings, facts, colocate=colocate, tp_size=tp_size, fsdp2=fsdp2, unshared_adapted=unshared,
+                       unshared_projections=projections)
     warn_engine_plan(plan, settings)
     return plan
 

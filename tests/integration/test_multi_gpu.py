@@ -103,31 +103,40 @@ def test_every_rank_shares_weights_with_its_own_engine(tmp_path, strategy):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-@pytest.mark.parametrize("sampling", ["merged", "lora", "full"])
+@pytest.mark.parametrize("sampling", ["merged", "lora", "full", "fp8"])
 def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path, sampling):
     """TRL's fsdp2.yaml, `vllm_tensor_parallel_size=2`, shared weights + standby. LoRA: on each rank FSDP2's shard of
     every projection lives in its vLLM TP rank's memory and still equals the checkpoint's slice after 3 steps (with
     "merged", after 3 merges into the shards and bit-exact restores); vLLM samples from the live adapter (log-prob
     gap to the sharded policy with its adapter, far from the one without). Full fine-tuning ("full"): FSDP2's fp32
     shards are cast into vLLM's slices at each sync, rank-locally; vLLM samples the trained policy, not the
-    checkpoint it started from."""
+    checkpoint it started from. "fp8": vLLM's projections are fp8, written per rank from FSDP2's shards, which stay
+    the checkpoint's slices and leave the device while vLLM samples."""
     results = _sharded_checks(tmp_path, sampling)
     for result in results:
         assert result["sampling"] == sampling
-        # 2 layers x 7 projections share (or, full fine-tuning's fp32 masters, are cast); the norms and the
-        # vocabulary-padded embeddings and head keep own copies
+        # 2 layers x 7 projections share (or, full fine-tuning's fp32 masters, are cast; fp8's are written into its
+        # own fp8 tensors); the norms and the vocabulary-padded embeddings and head keep own copies
         if sampling == "full":
             assert result["shared"] == 0 and result["casts"] == 2 * 7
+        elif sampling == "fp8":
+            assert result["shared"] == result["shards_in_vllm"] == 0 and result["kept"] == 2 * 7
+            assert result["differing_from_checkpoint"] == [] and min(result["parked_host_gib"]) > 0
         else:
             assert result["shared"] == 2 * 7 and result["shards_in_vllm"] == result["shared"]
             assert result["differing_from_checkpoint"] == []
         policy_gap, other_gap = result["gaps_after"]  # to the live policy; to its base (LoRA) or its start (full)
-        assert policy_gap < 0.05 and other_gap > 4 * policy_gap, (policy_gap, other_gap)
+        if sampling == "fp8":  # the sampler's policy is the quantized one (as with one GPU)
+            assert other_gap > 2 * policy_gap, (policy_gap, other_gap)
+        else:
+            assert policy_gap < 0.05 and other_gap > 4 * policy_gap, (policy_gap, other_gap)
         assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5
-        assert sampling == "full" or min(result["shared_weights_gib"]) > 0
-        # vLLM's greedy tokens are the policy's best wherever it has a clear best (what HF's greedy generate picks)
+        assert sampling in ("full", "fp8") or min(result["shared_weights_gib"]) > 0
+        # vLLM's greedy tokens are the policy's best wherever it has a clear best (what HF's greedy generate picks);
+        # fp8's rounding may flip a few of them
         greedy = result["greedy"]
-        assert greedy["mismatched"] == 0 and greedy["compared"] >= greedy["positions"] // 4, greedy
+        allowed = greedy["compared"] // 10 if sampling == "fp8" else 0
+        assert greedy["mismatched"] <= allowed and greedy["compared"] >= greedy["positions"] // 4, greedy
         assert greedy["other_mismatched"] > 0, greedy  # the policy it must not sample from reads them otherwise
         # full fine-tuning's fp32 masters: vLLM's 16-bit copies leave the device with the KV cache while training
         assert sampling != "full" or min(result["released_copies_gib"]) > 0, result["released_copies_gib"]

@@ -107,3 +107,25 @@ def test_merged_sampling_under_fsdp2_needs_a_host_copy_of_each_rank_slices_only(
     assert whole.sampling == "lora" and "host copy" in whole.sampling_problems[0]
     sharded = engine_plan.plan_engine(_settings(), facts, tp_size=4, fsdp2=True)
     assert sharded.sampling == "merged" and sharded.sampling_problems == ()
+
+
+def test_fsdp2_fp8_sampling_writes_per_shard_and_refuses_projections_laid_out_otherwise():
+    from trl_turbo.sharding.shard_placement import unshared_projection_weights
+
+    model = _lora_model(num_attention_heads=4, num_key_value_heads=2)
+    facts = engine_plan.engine_facts(model)
+    fp8 = _settings(turbo_vllm_sampling="fp8")
+    assert unshared_projection_weights(model, 2) == []
+    sharded = engine_plan.plan_engine(fp8, facts, tp_size=2, fsdp2=True)
+    assert sharded.sharded and sharded.sampling == "fp8" and not sharded.parks_while_starting
+    # parking is judged by each rank's host copy of its own slices: a host too small for the whole model's linear
+    # weights but big enough for one slice of them parks
+    linear = facts.linear_weight_bytes
+    small_host = types.SimpleNamespace(**{**facts.__dict__, "host_bytes": 2 * linear * facts.processes_on_host - 1})
+    assert engine_plan.fp8_parking(small_host) == (False, engine_plan.fp8_parking(small_host)[1])
+    assert engine_plan.fp8_parking(small_host, shards=2) == (True, None)
+    # T=4 > 2 KV heads: vLLM replicates k/v, so FSDP2's shards of them are not its slices; every other projection is
+    unshared = unshared_projection_weights(model, 4)
+    assert unshared and all(".k_proj." in name or ".v_proj." in name for name in unshared)
+    with pytest.raises(ValueError, match="fp8.*under FSDP2.*k_proj.*'merged'.*'lora'"):
+        engine_plan.plan_engine(fp8, facts, tp_size=4, fsdp2=True, unshared_projections=unshared)

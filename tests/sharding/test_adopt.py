@@ -33,29 +33,38 @@ SCRIPT = textwrap.dedent(
     import accelerate.accelerator
     from trl_turbo import registry
     from trl_turbo.sharding.shard_placement import model_facts
-    from trl_turbo.sharding.tp_layout import tp_layout
+    from trl_turbo.ops.merge_fp8 import FP8_DTYPE, FP8_MAX
+    from trl_turbo.sharding.tp_layout import PROJECTIONS, tp_layout
+    from trl_turbo.vllm.fp8 import Fp8Tensor
     from trl_turbo.sharding.adopt import fsdp_params
     from trl_turbo.testing.models import tiny_model
     from trl_turbo.testing.multi_gpu import leave_finished_process
     from trl_turbo.vllm.sharded import PENDING_ATTRIBUTE, ShardedShare
-    from trl_turbo.vllm.weight_views import LayoutMismatch
+    from trl_turbo.vllm.weight_views import LayoutMismatch, hf_weight_name
 
     dist.init_process_group("gloo")
     rank, T = dist.get_rank(), dist.get_world_size()
 
 
     class Engine:
-        # vLLM's TP rank `rank`: one tensor per vLLM parameter, NaN until loaded
-        def __init__(self, facts, shapes, corrupt=None, dtype=torch.float32):
+        # vLLM's TP rank `rank`: one tensor per vLLM parameter, NaN until loaded (`fp8`: the projections are e4m3
+        # tensors with a scale each, as vLLM's online fp8 holds them)
+        def __init__(self, facts, shapes, corrupt=None, dtype=torch.float32, fp8=False):
             self.tp_rank, self.facts, self.corrupt, self.tensors = rank, facts, corrupt, {}
+            self.scales, self.loaded = {}, []
             for name, shape in shapes.items():
                 layout = tp_layout(name, shape, facts, T, rank)
                 size = list(shape)
                 if layout.slice is not None and layout.slice.dim is not None:
                     size[layout.slice.dim] = layout.slice.local_size
-                self.tensors.setdefault(layout.vllm_name, torch.full(size, float("nan"), dtype=dtype))
+                if fp8 and name.rsplit(".", 2)[-2] in PROJECTIONS:
+                    self.tensors.setdefault(layout.vllm_name, torch.zeros(size, dtype=FP8_DTYPE))
+                    self.scales.setdefault(layout.vllm_name, torch.zeros(1))
+                else:
+                    self.tensors.setdefault(layout.vllm_name, torch.full(size, float("nan"), dtype=dtype))
 
         def load(self, hf_name, full):
+            self.loaded.append(hf_name)
             layout = tp_layout(hf_name, full.shape, self.facts, T, rank)
             s, target = layout.slice, self.tensors[layout.vllm_name]
             if s.dim is None:
@@ -92,9 +101,10 @@ SCRIPT = textwrap.dedent(
             return 1
 
 
-    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None):
-        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, weight_copies=None, standby=standby)
-        share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged)
+    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None, fp8=None):
+        state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, fp8=None, weight_copies=None,
+                                standby=standby)
+        share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged, fp8=fp8, park_fp8_base=True)
         registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
@@ -160,6 +170,65 @@ SCRIPT = textwrap.dedent(
                                merged_reference.mlp.down_proj.weight[:, rank * 64:(rank + 1) * 64])  # A's columns
     state.merged.restore()
     report["restored_bitwise"] = all(torch.equal(t, before[name]) for name, t in engine.tensors.items())
+
+    # fp8 sampling per shard: vLLM's projections are e4m3 tensors written from FSDP2's own shards (never loaded,
+    # never shared), under the rank's own scale; the 16-bit shards leave the device while vLLM samples
+    model = build()
+    reference = copy.deepcopy(model)
+    engine = Engine(facts, shapes, fp8=True)
+    fp8 = {name: Fp8Tensor(t, engine.scales[name]) for name, t in engine.tensors.items() if t.dtype == FP8_DTYPE}
+    model, share, state = prepare(model, engine, fp8=fp8)
+    projections = {n: p for n, p in model.named_parameters()
+                   if "lora_" not in n and hf_weight_name(n).rsplit(".", 2)[-2] in PROJECTIONS}
+    base_before = {n: p.to_local().clone() for n, p in projections.items()}
+    state.fp8.write()
+
+    def expected_fp8(model, layer, vllm_name):
+        # the rank's rows (column-parallel) or columns (row-parallel) of W + scaling * B @ A, computed whole in
+        # fp32 from the unsharded model and cut by hand: 2 of 4 q heads, 1 of 2 k/v heads, half of the MLP
+        def merged(module):
+            if not hasattr(module, "lora_A"):
+                return module.weight.detach().float()
+            delta = module.lora_B["default"].weight.detach().float() @ module.lora_A["default"].weight.float()
+            return module.base_layer.weight.detach().float() + module.scaling["default"] * delta
+        attention, mlp = layer.self_attn, layer.mlp
+        rows = lambda w, n: w[rank * n:(rank + 1) * n]
+        cols = lambda w: w[:, rank * w.shape[1] // T:(rank + 1) * w.shape[1] // T]
+        whole = {"self_attn.qkv_proj": torch.cat([rows(merged(attention.q_proj), 32),
+                                                  rows(merged(attention.k_proj), 16),
+                                                  rows(merged(attention.v_proj), 16)]),
+                 "self_attn.o_proj": cols(merged(attention.o_proj)),
+                 "mlp.gate_up_proj": torch.cat([rows(merged(mlp.gate_proj), 64), rows(merged(mlp.up_proj), 64)]),
+                 "mlp.down_proj": cols(merged(mlp.down_proj))}[vllm_name.split(".", 3)[3].rsplit(".", 1)[0]]
+        scale = whole.abs().max() / FP8_MAX
+        return (whole / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+    def same_fp8(tensor, expected):
+        return (torch.equal(tensor.rows.view(torch.uint8), expected[0].view(torch.uint8))
+                and torch.allclose(tensor.scale, expected[1]))
+
+    layers = reference.base_model.model.model.layers
+    report["fp8"] = {
+        "loaded": sorted(set(engine.loaded)),
+        "shared": len(share.result.shared), "kept": len(share.result.kept),
+        "written_as_expected": sorted(name for name, t in fp8.items() if same_fp8(t, expected_fp8(
+            reference, layers[int(name.split(".")[2])], name))),
+        "parked": sorted(n for n, p in projections.items() if p.to_local().untyped_storage().nbytes() == 0),
+    }
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)  # brought back first
+    report["fp8"]["back_bitwise"] = all(torch.equal(p.to_local(), base_before[n]) for n, p in projections.items())
+    qkv_before = fp8["model.layers.0.self_attn.qkv_proj.weight"].rows.clone()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(input_ids=ids).logits.pow(2).mean().backward()
+    optimizer.step()
+    state.fp8.write()
+    state.fp8.unpark()
+    report["fp8"]["follows_the_adapter"] = not torch.equal(qkv_before.view(torch.uint8),
+                                                           fp8["model.layers.0.self_attn.qkv_proj.weight"].rows.view(
+                                                               torch.uint8))
+    report["fp8"]["base_after_training"] = all(torch.equal(p.to_local(), base_before[n])
+                                               for n, p in projections.items())
+    report["fp8"]["parked_gib"] = state.fp8.take_metrics()["vllm/parked_host_gib"]
 
     # full fine-tuning: every weight trains. Same dtype as the engine: the shards are the engine's memory, so the
     # optimizer's update is what it samples, and a sync only reloads what it lays out itself (the norms)
@@ -250,5 +319,13 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
             for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
         assert report["full_ft_cast"] == {"shared": 0, "casts": 16, "reloads": 5, "released_with_kv": releasable,
                                           "engine_is_trained": True}
+        fp8 = report["fp8"]
+        # the projections are fp8 in the engine: neither loaded nor shared; the embeddings and LM head are shared
+        assert fp8["shared"] == 2 and fp8["kept"] == 14
+        assert fp8["loaded"] == sorted(["model.embed_tokens.weight", "lm_head.weight"] + norms)
+        assert fp8["written_as_expected"] == sorted(f"model.layers.{i}.{n}.weight" for i in range(2) for n in (
+            "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+        assert len(fp8["parked"]) == 14 and fp8["parked_gib"] > 0
+        assert fp8["back_bitwise"] and fp8["base_after_training"] and fp8["follows_the_adapter"]
     assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
     assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]

@@ -155,7 +155,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     if shared:
         # fp8 sampling: an e4m3 copy of the linear weights beside the 16-bit ones (an upper bound: the base may be
         # parked on the host while the copy samples, which this forecast does not count on)
-        weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters) if fp8 else 0
+        weights = (FP8_BYTES_PER_WEIGHT * spec.layer_linear_parameters // tp_size) if fp8 else 0
         if quantized_4bit and nested_4bit and not fp8:  # fp32 scales beside the shared packed bytes
             weights += spec.vllm_undone_scale_bytes()
     else:  # vLLM's own copy, its 4-bit block scales in fp32

@@ -15,7 +15,7 @@ missing. The startup gather costs what one stock weight sync costs, once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,8 +25,6 @@ from torch import nn
 from ..vllm.weight_views import LayoutMismatch, hf_weight_name
 from .shard_placement import PlacementPlan, is_adapter_param, is_peft_copy
 from .tp_layout import TPLayout
-
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 class ShardEngine(Protocol):
@@ -48,6 +46,7 @@ class ShardedSharing:
     shared_bytes: int = 0  # engine memory that is now also FSDP2's shard (held once)
     shared: list[str] = field(default_factory=list)
     own_copies: dict[str, int] = field(default_factory=dict)  # name -> bytes of the engine's own copy on this rank
+    kept: list[str] = field(default_factory=list)  # weights the engine holds in a form its sampler writes (fp8)
     # trained parameters the engine keeps its own copy of: cast into its slice (parameter, slice), or gathered and
     # loaded (HF name, parameter), at each sync
     casts: list[tuple[nn.Parameter, torch.Tensor]] = field(default_factory=list)
@@ -60,8 +59,6 @@ def base_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     for name, param in model.named_parameters():
         if is_adapter_param(name) or is_peft_copy(name):
             continue
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
         yield hf_weight_name(name), param
 
 
@@ -103,10 +100,13 @@ def _all_ranks_agree(failures: int, device: torch.device) -> int:
     return int(total.item())
 
 
-def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine) -> ShardedSharing:
+def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
+                 kept: Collection[str] = ()) -> ShardedSharing:
     """Load every base weight of the FSDP2-sharded `model` into `engine`, then make FSDP2's shards of the weights
-    `plan` shares views of the engine's slices (checked equal on every rank first). Collective: every rank of the
-    world calls it with its own engine rank. Raises LayoutMismatch on every rank when any rank's slices differ."""
+    `plan` shares views of the engine's slices (checked equal on every rank first). `kept`: HF names the engine holds
+    in another form that its sampler writes from FSDP2's shards (fp8 copies): neither loaded nor shared. Collective:
+    every rank of the world calls it with its own engine rank. Raises LayoutMismatch on every rank when any rank's
+    slices differ."""
     from torch.distributed.tensor import DTensor
 
     planned = {p.hf_name: p for p in plan.params}
@@ -121,6 +121,9 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine) -> 
                                  "shards can only be shared with a model `fully_shard` has wrapped")
         local = param.to_local()
         device = local.device
+        if hf_name in kept:
+            result.kept.append(hf_name)
+            continue
         engine.load(hf_name, param.full_tensor())  # collective: every rank gathers the same parameter in turn
         entry = planned.get(hf_name)
         if entry is None or entry.kind not in ("shared", "cast"):

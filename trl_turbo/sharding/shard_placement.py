@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tp_layout import PACKED_MODULES, ModelFacts, Obstacle, TPLayout, check_tp_size, tp_layout
+from .tp_layout import PACKED_MODULES, PROJECTIONS, ModelFacts, Obstacle, TPLayout, check_tp_size, tp_layout
 
 _ADAPTER_MARKERS = (".lora_", "lora_magnitude_vector")
 _PEFT_COPIES = ("modules_to_save.", "original_module.")
@@ -249,12 +249,23 @@ def unshared_adapted_weights(model: nn.Module, tp_size: int) -> list[str]:
     """The LoRA-adapted base weights of a PEFT `model` whose FSDP2 shard over `tp_size` ranks cannot be vLLM's
     slice (a merge into the shard would not reach the sampler); empty for a model vLLM refuses at `tp_size`."""
     adapted = {name.rpartition(".lora_A.")[0] for name, _ in model.named_parameters() if ".lora_A." in name}
+    return sorted(p.hf_name for p in _own_copies(model, tp_size)
+                  if any(p.name.startswith(f"{module}.base_layer.") for module in adapted))
+
+
+def unshared_projection_weights(model: nn.Module, tp_size: int) -> list[str]:
+    """The decoder projections (what vLLM's fp8 engine quantizes) whose FSDP2 shard over `tp_size` ranks cannot be
+    vLLM's slice: an fp8 copy written per shard would leave their rows unwritten."""
+    return sorted(p.hf_name for p in _own_copies(model, tp_size)
+                  if p.hf_name.rsplit(".", 2)[-2] in PROJECTIONS)
+
+
+def _own_copies(model: nn.Module, tp_size: int) -> list[ParamPlan]:
     try:
         plan = plan_model(model, tp_size)
     except ValueError:
         return []
-    return sorted(p.hf_name for p in plan.of_kind("own_copy")
-                  if any(p.name.startswith(f"{module}.base_layer.") for module in adapted))
+    return plan.of_kind("own_copy")
 
 
 def fully_shard_takes_placement_fn() -> bool:

@@ -39,6 +39,8 @@ PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 ROW_PARALLEL: frozenset[str] = frozenset({"o_proj", "down_proj"})
+# The decoder layers' linear projections (the layers vLLM's fp8 engine quantizes)
+PROJECTIONS: frozenset[str] = frozenset({m for members in PACKED_MODULES.values() for m in members} | ROW_PARALLEL)
 EMBEDDINGS: frozenset[str] = frozenset({"embed_tokens"})
 LM_HEADS: frozenset[str] = frozenset({"lm_head"})
 

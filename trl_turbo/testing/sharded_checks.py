@@ -2,8 +2,9 @@
 as ``accelerate launch --config_file <TRL's fsdp2.yaml> -m trl_turbo.testing.sharded_checks <dir> [sampling]``;
 each rank prints one ``RESULT {json}`` line for the test to assert on.
 
-Per rank, after training: how many of FSDP2's frozen shards live in vLLM's memory, whether each equals the
-checkpoint's slice that vLLM's layout gives this rank (bitwise, so the base never moved), the sampler's log-prob gap
+Per rank, after training: how many of FSDP2's frozen shards live in vLLM's memory, whether each (and each
+projection an fp8 engine holds quantized) equals the checkpoint's slice that vLLM's layout gives this rank (bitwise,
+so the base never moved), the sampler's log-prob gap
 to the live (sharded) policy with and without its adapter, whether vLLM's greedy tokens are the policy's own best
 tokens, and the adapter sync times. With ``fault`` as a third argument the run trains 20 steps and one generation in
 the middle of them fails inside vLLM; the shards are compared with the checkpoint right after it and at the end.
@@ -25,7 +26,8 @@ FULL_SHAPE = {"hidden_size": 2048, "layers": 2, "head_dim": 128, "num_attention_
 
 
 def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
-    """Which FSDP2 shards are vLLM's memory, and whether every shared one still equals its checkpoint slice."""
+    """Which FSDP2 shards are vLLM's memory, and whether every shared one (and with fp8 sampling, every projection
+    vLLM holds in fp8, written from FSDP2's shard) still equals its checkpoint slice."""
     from safetensors.torch import load_file
 
     from trl_turbo.sharding.adopt import base_parameters, fsdp_params
@@ -39,18 +41,20 @@ def shard_report(trainer: Any, checkpoint: Path) -> dict[str, Any]:
     planned = {p.hf_name: p for p in share.placement.plan.params}
     by_param = fsdp_params(trainer.model)
     inside, differing, shared_names = 0, [], set(share.result.shared)
+    checked = shared_names | set(share.result.kept)
     from vllm.distributed import get_tensor_model_parallel_rank
 
     tp_rank = get_tensor_model_parallel_rank()
     for hf_name, param in base_parameters(trainer.model):
         data = by_param[id(param)]._sharded_param_data
         inside += any(start <= data.data_ptr() < stop for start, stop in spans)
-        if hf_name in shared_names:
+        if hf_name in checked:
             slice_ = planned[hf_name].layouts[tp_rank].slice
             expected = saved[hf_name].narrow(slice_.dim, slice_.start, slice_.length)
             if not torch.equal(param.to_local().cpu().view(torch.uint8), expected.view(torch.uint8)):
                 differing.append(hf_name)
-    return {"shards_in_vllm": inside, "shared": len(shared_names), "own_copies": sorted(share.result.own_copies),
+    return {"shards_in_vllm": inside, "shared": len(shared_names), "kept": len(share.result.kept),
+            "own_copies": sorted(share.result.own_copies),
             "shared_gib": share.result.shared_bytes / 2**30, "differing_from_checkpoint": differing}
 
 
@@ -180,9 +184,11 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
         full = sampling == "full"
         # full fine-tuning: projections of 4-32 MB per rank, as large as vLLM's allocator gives segments of their own
         # (the copies standby releases); the LoRA runs keep the tiny shape
+        fp8 = {"turbo_vllm_kv_cache_dtype": "fp8", "vllm_importance_sampling_mode": "token_truncate"}
         trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2,
                                 lora=not full, model_shape=FULL_SHAPE if full else None,
-                                **({} if full else {"turbo_vllm_sampling": sampling}))
+                                **({} if full else {"turbo_vllm_sampling": sampling}),
+                                **(fp8 if sampling == "fp8" else {}))
     if not full:
         randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
     used: list[float] = []
@@ -202,7 +208,7 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
     state = engine_state(trainer.vllm_generation)
     result = {
         "sampling": ("merged" if state.merged is not None else "lora" if state.adapters is not None
-                     else "full" if state.full_finetuning else None),
+                     else "fp8" if state.fp8 is not None else "full" if state.full_finetuning else None),
         "casts": len(state.weight_copies.casts) if state.weight_copies is not None else 0,
         "own_copy_warnings": sum("keep a copy of their own" in str(w.message) for w in caught),
         **shard_report(trainer, workdir),
@@ -214,6 +220,7 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
         "fault": fault,
         "weight_sync_s": [log["vllm/weight_sync_s"] for log in logs if "vllm/weight_sync_s" in log],
         "shared_weights_gib": [log["vllm/shared_weights_gib"] for log in logs if "vllm/shared_weights_gib" in log],
+        "parked_host_gib": [log["vllm/parked_host_gib"] for log in logs if "vllm/parked_host_gib" in log],
         "losses": [log["loss"] for log in logs if "loss" in log],
         "used_gib": used,
     }

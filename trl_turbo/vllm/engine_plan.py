@@ -164,20 +164,23 @@ def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts,
     return SamplingMode.MERGED, problems
 
 
-def fp8_parking(facts: EngineFacts) -> tuple[bool, str | None]:
+def fp8_parking(facts: EngineFacts, shards: int = 1) -> tuple[bool, str | None]:
     """Whether fp8 sampling moves the training model's 16-bit linear weights to the host while vLLM samples: yes,
-    unless they are 4-bit (little to gain) or the pinned host copy does not fit (the reason)."""
+    unless they are 4-bit (little to gain) or the pinned host copy does not fit (the reason). `shards`: each process
+    holds 1/shards of them (FSDP2's shards that are tensor-parallel slices)."""
     if facts.four_bit:
         return False, None
-    problem = host_copy_problem(facts.linear_weight_bytes, facts.processes_on_host, facts.host_bytes)
+    problem = host_copy_problem(facts.linear_weight_bytes // shards, facts.processes_on_host, facts.host_bytes)
     return problem is None, problem
 
 
 def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool = True, tp_size: int = 1,
-                fsdp2: bool = False, unshared_adapted: Sequence[str] = ()) -> EnginePlan:
+                fsdp2: bool = False, unshared_adapted: Sequence[str] = (),
+                unshared_projections: Sequence[str] = ()) -> EnginePlan:
     """The plan of an engine for a run with `settings` (`facts`: needed with shared weights); `tp_size`: vLLM's
-    tensor-parallel size; `fsdp2`: FSDP2 shards the training model; `unshared_adapted`: the adapted weights whose
-    FSDP2 shard cannot be vLLM's slice (merging into them would not reach the sampler)."""
+    tensor-parallel size; `fsdp2`: FSDP2 shards the training model; `unshared_adapted` / `unshared_projections`: the
+    adapted weights / decoder projections whose FSDP2 shard cannot be vLLM's slice (merging into them would not reach
+    the sampler; an fp8 copy written per shard would miss their rows)."""
     sharing = sampling = None
     problems: list[str] = []
     sharded = colocate and settings.vllm_shared_weights and fsdp2
@@ -197,7 +200,13 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
                                                      f"copy of their own in vLLM (e.g. {unshared_adapted[0]}), which "
                                                      "a merge into FSDP2's shards would not reach"]
     fp8 = sampling is SamplingMode.FP8
-    parks, park_problem = fp8_parking(facts) if fp8 else (False, None)
+    if sharded and fp8 and unshared_projections:
+        raise ValueError(f"`turbo_vllm_sampling='fp8'` under FSDP2 writes each rank's fp8 copy from its own shards, "
+                         f"but {len(unshared_projections)} projections are laid out otherwise in vLLM (e.g. "
+                         f"{unshared_projections[0]}: KV heads fewer than `vllm_tensor_parallel_size={tp_size}`, or a "
+                         "dimension it does not divide). Use `turbo_vllm_sampling='merged'` or 'lora', or a "
+                         "tensor-parallel size that divides the KV heads.")
+    parks, park_problem = fp8_parking(facts, shards=tp_size if sharded else 1) if fp8 else (False, None)
     return EnginePlan(
         sharing=sharing, sampling=sampling, sampling_problems=tuple(problems),
         # under FSDP2 the model waits on the host until training starts, and full fine-tuning parks nothing (no

@@ -16,6 +16,11 @@ Design decisions:
 - The plan (which HF matrix fills which rows of which fp8 tensor) comes from `weight_views.plan_shared_views`, the
   same derivation shared weights use, and is checked to cover every row of every fp8 tensor: a row left with vLLM's
   dummy values would sample garbage, so an incomplete plan is refused.
+- Under FSDP2 with tensor-parallel vLLM each rank writes its own engine rank's fp8 tensors from its own shards,
+  which are that rank's slices (`vllm.sharded`): a column-parallel shard with B's rows, a row-parallel one with A's
+  columns (the small factors gathered, as merged sampling does), under a scale of the rank's own tensor, as vLLM's
+  online quantization of that rank's slice has. Parking then frees the shard's storage itself (every view of it,
+  FSDP2's padded shard included, goes with it) and refills it in place.
 - fp8 changes what is sampled (the sampler's policy is the quantized one); the trainer corrects for it with TRL's
   importance sampling, which `config.py` requires with this mode, and the rollout check watches the log-prob gap.
 """
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 
 from ..ops.merge_fp8 import FP8_DTYPE, MergedShard, write_merged_fp8
+from ..sharding.dtensor import local_of
 from .host_copy import HostCopy, guard_model
 from .merge import LoraTarget, lora_targets
 from .weight_views import LayoutMismatch, SharedView, hf_weight_name
@@ -154,15 +160,19 @@ class Fp8Sampling:
 
 
 class _Parking:
-    """16-bit weights moved off the device and back, from a host copy taken once."""
+    """16-bit weights moved off the device and back, from a host copy taken once. A plain weight's tensor is swapped
+    for an empty one; an FSDP2 shard's storage is resized to nothing and back (FSDP2 keeps views of it)."""
 
     def __init__(self, modules: list[torch.nn.Module], peft_model: Any, pin: bool) -> None:
-        for module in modules:
-            if module.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-                raise ValueError(f"only 16/32-bit weights are parked, not {module.weight.dtype}")
+        weights = [local_of(m.weight) for m in modules]
+        for weight in weights:
+            if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not weight.is_contiguous():
+                raise ValueError(f"only contiguous 16/32-bit weights are parked, not {weight.dtype} strides "
+                                 f"{weight.stride()}")
         self._modules = modules
-        self._homes = [(m.weight.shape, m.weight.dtype, m.weight.device) for m in modules]
-        self._copy = HostCopy((m.weight for m in modules), pin=pin, purpose="fp8 sampling's parked 16-bit weights",
+        self._sharded = [local_of(m.weight) is not m.weight for m in modules]
+        self._homes = [(w.shape, w.dtype, w.device, w.untyped_storage().nbytes()) for w in weights]
+        self._copy = HostCopy(weights, pin=pin, purpose="fp8 sampling's parked 16-bit weights",
                               remedy="Bringing them back then blocks the host for the copy.")
         self.host_bytes = self._copy.host_bytes
         self._index = {id(m): i for i, m in enumerate(modules)}
@@ -174,17 +184,27 @@ class _Parking:
             i = self._index[id(module)]
             if i not in self._parked:
                 self._parked.add(i)  # before the storage goes: an interruption after this line still unparks it
-                shape, dtype, device = self._homes[i]
-                module.weight.data = torch.empty(0, dtype=dtype, device=device)
+                if self._sharded[i]:
+                    local_of(module.weight).untyped_storage().resize_(0)
+                else:
+                    shape, dtype, device, _ = self._homes[i]
+                    module.weight.data = torch.empty(0, dtype=dtype, device=device)
 
     def unpark(self) -> None:
         if not self._parked:
             return
-        weights = {i: torch.empty(self._homes[i][0], dtype=self._homes[i][1], device=self._homes[i][2])
-                   for i in sorted(self._parked)}
+        weights = {}
+        for i in sorted(self._parked):
+            shape, dtype, device, storage_bytes = self._homes[i]
+            if self._sharded[i]:
+                weights[i] = local_of(self._modules[i].weight)
+                weights[i].untyped_storage().resize_(storage_bytes)
+            else:
+                weights[i] = torch.empty(shape, dtype=dtype, device=device)
         self._copy.load(weights.items())
         for i, weight in weights.items():
-            self._modules[i].weight.data = weight
+            if not self._sharded[i]:
+                self._modules[i].weight.data = weight
         self._parked.clear()
 
     def take_metrics(self) -> dict[str, float]:
@@ -203,8 +223,9 @@ class _Parking:
 
 
 def _base_matrix(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The module's [out, in] base weight: as stored when 16-bit, dequantized (one matrix) when bitsandbytes."""
-    weight = module.weight
+    """The module's [out, in] base weight as this rank holds it (FSDP2's shard): as stored when 16-bit, dequantized
+    (one matrix) when bitsandbytes."""
+    weight = local_of(module.weight)
     if weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
         return weight.detach()
     from .dequantized import dequantized_weight
@@ -217,7 +238,8 @@ def _check_coverage(name: str, rows: torch.Tensor, shards: Sequence[_Shard]) -> 
         raise LayoutMismatch(f"vLLM's {name} is not a contiguous {FP8_DTYPE} [out, in] tensor")
     expected = 0
     for shard in shards:
-        out_features = shard.module.out_features
+        weight = local_of(shard.module.weight)
+        out_features = weight.shape[0] if weight.is_floating_point() else shard.module.out_features
         if shard.start != expected:
             break
         expected += out_features

@@ -44,9 +44,11 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
     fp8_rows = []  # released with the KV cache: rewritten before each generation
     if sampling is SamplingMode.FP8:
         fp8 = vllm_engine.fp8_tensors(llm)
-        state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device, fp8=fp8)
-        views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
         fp8_rows = [tensor.rows for tensor in fp8.values()]
+        if not plan.sharded:  # sharded: FSDP2's shards fill them once it has made them (`ShardedShare.complete`)
+            state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device,
+                                                                fp8=fp8)
+            views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
     elif sharing is not None and plan.full_finetuning and not plan.sharded:
         state.weight_copies = vllm_engine.share_trained_parameters(llm, model, generation.accelerator.device)
         state.shared_bytes = state.weight_copies.shared_bytes
@@ -73,11 +75,15 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         if parked is not None:
             parked.unpark()
         # the host memory left once the engine holds its own: parking the 16-bit weights needs a pinned copy there
-        parks, problem = fp8_parking(engine_facts(model))
+        parks, problem = fp8_parking(engine_facts(model), shards=plan.tp_size if plan.sharded else 1)
         warn_fp8_parking(problem)
         plan = dataclasses.replace(plan, fp8_parks_base=parks, fp8_park_problem=problem)
-        state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
-                                park_base=parks)
+        if plan.sharded:
+            share = ShardedShare.of_engine(llm, plan.tp_size, state, fp8=fp8, park_fp8_base=parks)
+            registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
+        else:
+            state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
+                                    park_base=parks)
     return state, plan
 
 

@@ -8,7 +8,8 @@ training starts), with dummy weights and nothing shared: under FSDP2 the model w
 has `fully_shard` place each projection on vLLM's dimension over a mesh whose shard groups are the TP groups
 (`placing`), then fills the engine from the sharded model and adopts its slices (`complete`,
 `trl_turbo.sharding.adopt`). Until then the engine holds no weights worth sampling from; TRL samples only once
-training has started.
+training has started. With fp8 sampling the projections are not shared: vLLM holds them in fp8, written per rank
+from FSDP2's shards of them (which are its slices all the same) before each generation (`fp8_on_shards`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,20 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ..sharding.adopt import ShardedSharing, ShardEngine, share_shards
 from ..sharding.mesh_shape import device_mesh, hsdp_mesh
-from ..sharding.shard_placement import ShardPlacementFn, plan_model
+from ..sharding.shard_placement import PlacementPlan, ShardPlacementFn, plan_model
 from ..sharding.tp_layout import TPLayout
 from . import engine as vllm_engine
+from .fp8 import Fp8Sampling, Fp8Tensor
 from .merge import MergedSampling
 from .trained_weights import WeightCopies, release_with_kv
-from .weight_views import LayoutMismatch, hf_weight_name
+from .weight_views import LayoutMismatch, SharedView, hf_weight_name
 
 PENDING_ATTRIBUTE = "_trl_turbo_sharded_share"  # on the policy model, from engine start until FSDP2 wraps it
 
@@ -65,15 +67,20 @@ class ShardedShare:
     """The share an engine waits to make until FSDP2 has sharded the policy model."""
 
     def __init__(self, engine: Callable[[], ShardEngine], engine_dtype: torch.dtype, tp_size: int,
-                 state: Any, *, merged: bool = False) -> None:
+                 state: Any, *, merged: bool = False, fp8: Mapping[str, Fp8Tensor] | None = None,
+                 park_fp8_base: bool = False) -> None:
         self.engine, self.engine_dtype, self.tp_size, self.state = engine, engine_dtype, tp_size, state
         self.merged = merged  # merged sampling: set up on the shards once they are the engine's
+        self.fp8 = fp8  # fp8 sampling: vLLM's fp8 tensors, written from the shards once FSDP2 has made them
+        self.park_fp8_base = park_fp8_base
         self.placement: ShardPlacementFn | None = None
         self.result: ShardedSharing | None = None
 
     @classmethod
-    def of_engine(cls, llm: Any, tp_size: int, state: Any, *, merged: bool = False) -> ShardedShare:
-        return cls(lambda: VllmShardEngine(llm), vllm_engine.engine_dtype(llm), tp_size, state, merged=merged)
+    def of_engine(cls, llm: Any, tp_size: int, state: Any, *, merged: bool = False,
+                  fp8: Mapping[str, Fp8Tensor] | None = None, park_fp8_base: bool = False) -> ShardedShare:
+        return cls(lambda: VllmShardEngine(llm), vllm_engine.engine_dtype(llm), tp_size, state, merged=merged,
+                   fp8=fp8, park_fp8_base=park_fp8_base)
 
     def placement_for(self, model: torch.nn.Module) -> ShardPlacementFn:
         """The placement of `model` as `fully_shard` first sees it (after accelerate's fp32 upcast of trainable
@@ -118,7 +125,9 @@ class ShardedShare:
         if self.placement is None:
             raise RuntimeError("trl_turbo: FSDP2 wrapped the policy model without trl_turbo's shard placement")
         engine = self.engine()
-        result = share_shards(model, self.placement.plan, engine)
+        plan = self.placement.plan
+        kept = {p.hf_name for p in plan.params if p.vllm_name in self.fp8} if self.fp8 is not None else set()
+        result = share_shards(model, plan, engine, kept=kept)
         self.result = result
         self.state.shared_bytes = result.shared_bytes
         if result.casts or result.reloads:  # trained parameters vLLM keeps a copy of: refreshed at each sync
@@ -127,6 +136,9 @@ class ShardedShare:
             release_with_kv(self.state.weight_copies, self.state.standby)  # the standby came with the engine
         if self.merged:
             self.state.merged = merged_on_shards(model, result)
+        if self.fp8 is not None:
+            self.state.fp8 = fp8_on_shards(model, plan, self.fp8, engine.tp_rank, self.engine_dtype,
+                                           park_base=self.park_fp8_base)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _warn_own_copies(result)
@@ -143,6 +155,25 @@ def merged_on_shards(model: torch.nn.Module, result: ShardedSharing) -> MergedSa
         raise LayoutMismatch(f"trl_turbo: merged sampling writes the adapter into FSDP2's shards, but {unshared[:3]} "
                              "are not vLLM's memory; set `turbo_vllm_sampling='lora'`.")
     return sampling
+
+
+def fp8_on_shards(model: torch.nn.Module, plan: PlacementPlan, fp8: Mapping[str, Fp8Tensor], tp_rank: int,
+                  compute_dtype: torch.dtype, *, park_base: bool = False) -> Fp8Sampling:
+    """fp8 sampling that writes TP rank `tp_rank`'s fp8 tensors from FSDP2's shards: each projection's shard fills
+    its slice's rows (a row-parallel slice is every row of the rank's tensor, over its columns)."""
+    views = []
+    for entry in plan.params:
+        if entry.vllm_name not in fp8:
+            continue
+        slice_ = entry.layouts[tp_rank].slice if entry.layouts else None
+        if entry.kind not in ("shared", "cast") or slice_ is None or slice_.dim not in (0, 1):
+            raise LayoutMismatch(f"trl_turbo: fp8 sampling writes vLLM's {entry.vllm_name} from FSDP2's shard of "
+                                 f"{entry.hf_name}, which is not its tensor-parallel slice "
+                                 f"({entry.detail or entry.kind}); set `turbo_vllm_sampling='merged'` or 'lora'.")
+        start = slice_.offset if slice_.dim == 0 else 0
+        rows = slice_.length if slice_.dim == 0 else fp8[entry.vllm_name].rows.shape[0]
+        views.append(SharedView(entry.hf_name, entry.vllm_name, start, start + rows))
+    return Fp8Sampling(model, model.active_adapter, fp8, views, compute_dtype, park_base=park_base)
 
 
 def _warn_own_copies(result: ShardedSharing) -> None:

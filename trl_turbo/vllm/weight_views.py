@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+_MODULE_WRAPPERS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _LORA_WRAPPER = ".base_layer"
 
 
@@ -34,8 +35,11 @@ class LayoutMismatch(ValueError):
 
 
 def hf_weight_name(name: str) -> str:
-    """A PEFT-wrapped parameter's name as the plain HF model has it (`base_model.model.` and `.base_layer` gone)."""
+    """A wrapped parameter's name as the plain HF model has it (PEFT's `base_model.model.` and `.base_layer`, and the
+    checkpoint and FSDP1 wrappers' module names, gone)."""
     name = name.removeprefix("base_model.model.")
+    for wrapper in _MODULE_WRAPPERS:
+        name = name.replace(wrapper, "")
     return name.replace(_LORA_WRAPPER, "")
 
 

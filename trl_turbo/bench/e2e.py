@@ -49,7 +49,7 @@ from .. import registry
 from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
-from . import parse_turbo_overrides, peers
+from . import decode_profile, parse_turbo_overrides, peers
 from .gpu_children import free_port, visible_devices
 from .hardware import measure as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
@@ -351,13 +351,18 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         engine = run_plan.of(trainer).engine if variant != "stock" else None
         row["sampling"] = None if engine is None or engine.sampling is None else engine.sampling.value
 
-    return measure(spec, device, build, describe, new_row(spec, **cap))
+    def profile_decode(trainer: Any, row: dict[str, Any]) -> None:
+        row["decode_profile"] = decode_profile.probe(trainer, spec["profile_decode"])
+
+    return measure(spec, device, build, describe, new_row(spec, **cap),
+                   after=profile_decode if spec.get("profile_decode") else None)
 
 
-def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: dict[str, Any]) -> dict[str, Any]:
+def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: dict[str, Any],
+            after: Any = None) -> dict[str, Any]:
     """Build a trainer with `build()`, let `describe(trainer, row)` add what only that variant knows, train it under
-    the instrumentation every variant shares, and return `row` with its steps: the one way a row is measured, for
-    TRL's variants and the peers' alike."""
+    the instrumentation every variant shares, then let `after(trainer, row)` probe it, and return `row` with its
+    steps: the one way a row is measured, for TRL's variants and the peers' alike."""
     import torch
 
     steps: list[dict[str, Any]] = []
@@ -392,6 +397,12 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
             with _instrument(trainer, sampler, steps, save_progress):
                 trainer.train()
             row["ok"] = True
+            if after is not None:
+                try:
+                    after(trainer, row)
+                except Exception as exc:  # a probe that fails loses only itself
+                    traceback.print_exc()
+                    row["probe_error"] = f"{type(exc).__name__}: {exc}"
         except torch.OutOfMemoryError:
             traceback.print_exc()
             row["error"] = "OOM"
@@ -588,7 +599,7 @@ def run(args: argparse.Namespace) -> Path:
               "lora": None if args.full_finetuning else {"r": 16, "alpha": 16, "target_modules": "all-linear"},
               "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
-              "side_by_side": args.side_by_side, "launches": launches,
+              "side_by_side": args.side_by_side, "launches": launches, "profile_decode": args.profile_decode,
               "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes for launch in launches},
               "variant_config": {v: variant_config(v, overrides) for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
@@ -788,9 +799,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--side-by-side", action="store_true",
                         help="run the variants at the same time, each on GPUs of its own (variants x launches x "
                              "processes GPUs needed)")
+    parser.add_argument("--profile-decode", type=_batch_sizes, default=[], metavar="N,N",
+                        help="after its steps, profile a short generation of each batch size through each TRL "
+                             "variant's engine (kernel time by class per decode step; `decode_profile`)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    sizes = [int(size) for size in text.split(",") if size.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
 
 
 def child_main(spec_path: str, run_child: Callable[[dict[str, Any]], dict[str, Any]] = run_variant) -> None:

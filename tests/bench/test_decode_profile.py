@@ -1,0 +1,67 @@
+"""The decode profile's pure parts: kernel names classed as the profile reports them, the per-step summary, and the
+kernels read out of a profiler's averages (the probe itself runs on the GPU: `bench e2e --profile-decode`)."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from trl_turbo.bench import e2e
+from trl_turbo.bench.decode_profile import OTHER, classify, format_profile, kernel_totals, summarize
+
+# Kernel names as CUDA profiles of vLLM 0.24's decode show them (abridged)
+KERNELS = {
+    "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128>>": "attention",
+    "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "attention",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1": "gemm",
+    "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+    "void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4>": "gemm",
+    "void cutlass::device_kernel<vllm::cutlass_3x_scaled_mm_sm90_fp8<cutlass::float_e4m3_t>>": "gemm",
+    "void vllm::dynamic_per_token_scaled_fp8_quant_kernel<__nv_bfloat16>": "fp8 quantization",
+    "void vllm::fused_add_rms_norm_kernel<__nv_bfloat16, 8>": "norm",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norm",
+    "void vllm::act_and_mul_kernel<__nv_bfloat16, &vllm::silu_kernel>": "activation",
+    "void vllm::rotary_embedding_kernel<__nv_bfloat16, true>": "rotary",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>": "sampling",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2>": "sampling",
+    "Memcpy DtoD (Device -> Device)": "memory",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": OTHER,
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernels_are_classed_by_name(kernel):
+    assert classify(kernel) == KERNELS[kernel]
+
+
+def test_the_summary_is_per_decode_step_with_the_gap_outside_kernels():
+    kernels = [("nvjet_tst_64x8", 3000.0, 200), ("sm90_xmma_gemm_bf16", 1000.0, 100),
+               ("flash_fwd_splitkv_kernel", 800.0, 100), ("rms_norm_kernel", 200.0, 300)]
+    summary = summarize(kernels, steps=100, wall_s=0.060)
+    assert summary["ms_per_step"] == pytest.approx(0.6)
+    assert summary["kernel_ms_per_step"] == pytest.approx(0.05)
+    assert summary["gap_ms_per_step"] == pytest.approx(0.55)
+    classes = summary["classes"]
+    assert list(classes) == ["gemm", "attention", "norm"]  # largest first
+    assert classes["gemm"]["ms_per_step"] == pytest.approx(0.04) and classes["gemm"]["launches_per_step"] == 3
+    assert classes["gemm"]["top_kernel"] == "nvjet_tst_64x8"
+    assert sum(entry["share"] for entry in classes.values()) == pytest.approx(1.0)
+    assert "0.60 ms/step" in format_profile(8, summary) and "gemm 0.04 ms" in format_profile(8, summary)
+
+
+def test_only_gpu_kernels_are_read_from_the_profiler():
+    events = [SimpleNamespace(key="nvjet_tst", self_device_time_total=12.5, count=3, device_type="DeviceType.CUDA"),
+              SimpleNamespace(key="aten::mm", self_device_time_total=0.0, count=3, device_type="DeviceType.CPU"),
+              SimpleNamespace(key="cudaLaunchKernel", self_device_time_total=0.0, count=9,
+                              device_type="DeviceType.CPU")]
+    profiler = SimpleNamespace(key_averages=lambda: events)
+    assert kernel_totals(profiler) == [("nvjet_tst", 12.5, 3)]
+
+
+def test_batch_sizes_are_positive_integers():
+    assert e2e._batch_sizes("8,64") == [8, 64]
+    for bad in ("0", "", "8,-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            e2e._batch_sizes(bad)

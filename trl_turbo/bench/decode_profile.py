@@ -1,0 +1,144 @@
+"""Where a decode step's time goes: the colocated engine's GPU kernels, by class, per decode step.
+
+Design decision: a profile of a whole GRPO generation would record millions of kernels. The probe instead runs, after
+a variant's measured steps, one short generation per batch size through the same engine in the same sampling mode
+(the adapter merged into the shared weights, written into the fp8 copy, or in vLLM's LoRA slots, as a training
+generation has it; stock's engine woken and synced as TRL does): first to warm up (CUDA graphs of that batch), then
+timed, then under torch's profiler with CUDA activity only (kernel durations; kernels replayed from CUDA graphs
+included). Prompts are short, so the time is decode. Kernels are classed by name (`KERNEL_CLASSES`, first match
+wins); what a timed step spends outside every kernel is its gap (launch latency, synchronisation, host work between
+steps). Everything but `probe` is pure and tested on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+# Ordered: attention before GEMM (flash attention's split-KV kernels), GEMM before fp8 quantization (cutlass's
+# scaled-mm kernels are GEMMs; `scaled_fp8_quant` is not).
+KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
+    ("attention", r"flash|fmha|attn|attention|paged|reshape_and_cache"),
+    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|matmul|_mm_|scaled_mm|wgmma"),
+    ("fp8 quantization", r"quant|fp8"),
+    ("norm", r"rms|layer_?norm|rsqrt"),
+    ("activation", r"silu|gelu|act_and_mul|swiglu"),
+    ("rotary", r"rotary|rope"),
+    ("sampling", r"sampl|topk|top_k|softmax|argmax|gumbel|multinomial|logprob|exponential|argsort|sort"),
+    ("memory", r"memcpy|memset|copy|cat_|index|gather|scatter|fill"),
+)
+OTHER = "other elementwise"
+_PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES)
+
+
+def classify(kernel: str) -> str:
+    """The class of a kernel name (`OTHER` when no class matches)."""
+    return next((name for name, pattern in _PATTERNS if pattern.search(kernel)), OTHER)
+
+
+def summarize(kernels: Iterable[tuple[str, float, int]], *, steps: int, wall_s: float) -> dict[str, Any]:
+    """Per decode step: wall time, kernel time by class (ms, share of kernel time, launches, the longest kernel) and
+    the gap outside kernels. `kernels`: (name, total µs, launches) over the profiled generation; `wall_s`: the same
+    generation's time without the profiler."""
+    classes: dict[str, dict[str, Any]] = {}
+    for name, total_us, launches in kernels:
+        entry = classes.setdefault(classify(name), {"us": 0.0, "launches": 0, "top": ("", 0.0)})
+        entry["us"] += total_us
+        entry["launches"] += launches
+        if total_us > entry["top"][1]:
+            entry["top"] = (name, total_us)
+    kernel_us = sum(entry["us"] for entry in classes.values())
+    per_step = max(1, steps)
+    return {
+        "steps": steps,
+        "ms_per_step": 1e3 * wall_s / per_step,
+        "kernel_ms_per_step": kernel_us / 1e3 / per_step,
+        "gap_ms_per_step": max(0.0, 1e3 * wall_s - kernel_us / 1e3) / per_step,
+        "classes": {name: {"ms_per_step": entry["us"] / 1e3 / per_step,
+                           "share": entry["us"] / kernel_us if kernel_us else 0.0,
+                           "launches_per_step": entry["launches"] / per_step,
+                           "top_kernel": entry["top"][0][:120]}
+                    for name, entry in sorted(classes.items(), key=lambda item: -item[1]["us"])},
+    }
+
+
+def format_profile(batch: int, summary: dict[str, Any]) -> str:
+    """One line per batch size: the step, its gap and its three largest classes."""
+    top = ", ".join(f"{name} {entry['ms_per_step']:.2f} ms" for name, entry in list(summary["classes"].items())[:3])
+    return (f"decode profile, {batch} sequences: {summary['ms_per_step']:.2f} ms/step (kernels "
+            f"{summary['kernel_ms_per_step']:.2f}, gap {summary['gap_ms_per_step']:.2f}): {top}")
+
+
+def kernel_totals(profiler: Any) -> list[tuple[str, float, int]]:
+    """(name, total µs, launches) of every GPU kernel a torch profiler recorded."""
+    totals = []
+    for event in profiler.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0.0)
+        if device_us and "cuda" in str(getattr(event, "device_type", "")).lower():
+            totals.append((event.key, float(device_us), int(event.count)))
+    return totals
+
+
+@contextlib.contextmanager
+def sampling_engine(trainer: Any) -> Iterator[Any]:
+    """The engine ready to sample from the live policy as a training generation would, for the block; yields
+    `llm.generate`'s extra keyword arguments (the LoRA request where vLLM samples through its LoRA slots)."""
+    from ..vllm.engine_plan import engine_state
+
+    generation = trainer.vllm_generation
+    llm = generation.llm
+    state = engine_state(generation)
+    if state is None:  # stock TRL: wake the sleeping engine and push the weights, as its generation does
+        engine = getattr(llm, "llm_engine", None)
+        if engine is not None and getattr(engine, "is_sleeping", lambda: False)():
+            llm.wake_up()
+        generation.sync_weights()
+        yield {}
+        return
+    generation.sync_weights()
+    with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
+        if state.standby is not None:
+            state.standby.restore()
+        if state.fp8 is not None:
+            state.fp8.write()
+        try:
+            yield {} if state.merged is not None else {"lora_request": state.lora_request}
+        finally:
+            if state.standby is not None:
+                state.standby.release()
+            if state.fp8 is not None:
+                state.fp8.unpark()
+
+
+def probe(trainer: Any, batches: Sequence[int], *, tokens: int = 128, prompt_len: int = 16) -> dict[str, Any]:
+    """Profile one `tokens`-token generation of each batch size in `batches` through the trainer's engine."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    llm = trainer.vllm_generation.llm
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, logprobs=0)
+    results: dict[str, Any] = {"tokens": tokens, "prompt_len": prompt_len}
+    with sampling_engine(trainer) as extra:
+        for batch in batches:
+            prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 50 for j in range(prompt_len)]} for i in range(batch)]
+
+            def generate(prompts: list[dict[str, Any]] = prompts) -> None:
+                llm.generate(prompts, params, use_tqdm=False, **extra)
+                torch.cuda.synchronize()
+
+            generate()  # warm-up: this batch's CUDA graphs
+            start = time.perf_counter()
+            generate()
+            wall_s = time.perf_counter() - start
+            with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+                generate()
+            summary = summarize(kernel_totals(profiler), steps=tokens, wall_s=wall_s)
+            results[str(batch)] = summary
+            print(format_profile(batch, summary), flush=True)
+    return results

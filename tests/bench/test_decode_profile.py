@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from trl_turbo.bench import e2e
-from trl_turbo.bench.decode_profile import OTHER, classify, format_profile, kernel_totals, summarize
+from trl_turbo.bench.decode_profile import OTHER, classify, format_profile, kernel_totals, summarize, waves
 
 # Kernel names as CUDA profiles of vLLM 0.24's decode show them (abridged)
 KERNELS = {
@@ -65,3 +65,7 @@ def test_batch_sizes_are_positive_integers():
     for bad in ("0", "", "8,-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             e2e._batch_sizes(bad)
+
+
+def test_a_batch_larger_than_the_engine_takes_runs_in_waves():
+    assert waves(64, 8) == 8 and waves(9, 8) == 2 and waves(8, 8) == 1 and waves(64, None) == 1

@@ -4,7 +4,8 @@ transformers' own checkpointing.
 
 From transformers 5.23 a layer checkpoints its `forward`, inside FSDP2's hooks, so FSDP2 has gathered the layer's
 parameters when trl_turbo's function is called and gathers them again (its pre-backward hook) before the recompute.
-Checked per rank after one forward and backward of a LoRA model: the checkpoint function's gradients (FSDP2's
+Checked per rank after one forward and backward of a LoRA model, checkpointing enabled again once FSDP2 has
+wrapped it (as TRL does around each generation): the checkpoint function's gradients (FSDP2's
 reduce-scattered shards, gathered whole) equal transformers' checkpointing bitwise, the tiled MLP's within float
 reassociation, with the same number of all-gathers, and the offloader moved the saved layer inputs. (A run under
 FSDP2 turns both features on from transformers 5.23: `distributed.VERSION_GATES`.)
@@ -75,6 +76,9 @@ SCRIPT = textwrap.dedent(
         for layer in base.model.layers:
             fully_shard(layer)
         fully_shard(model)
+        # TRL enables checkpointing again around each generation, after accelerate wrapped the model: trl_turbo's
+        # function must come back on the wrapped layers (whose class FSDP2 has swapped)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         torch.manual_seed(1 + rank)
         ids = torch.randint(4, 64, (2, 24))

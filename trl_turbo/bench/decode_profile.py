@@ -5,9 +5,11 @@ a variant's measured steps, one short generation per batch size through the same
 (the adapter merged into the shared weights, written into the fp8 copy, or in vLLM's LoRA slots, as a training
 generation has it; stock's engine woken and synced as TRL does): first to warm up (CUDA graphs of that batch), then
 timed, then under torch's profiler with CUDA activity only (kernel durations; kernels replayed from CUDA graphs
-included). Prompts are short, so the time is decode. Kernels are classed by name (`KERNEL_CLASSES`, first match
-wins); what a timed step spends outside every kernel is its gap (launch latency, synchronisation, host work between
-steps). Everything but `probe` is pure and tested on CPU.
+included). Prompts are short, so the time is decode. TRL builds the engine for its own batch (`max_num_seqs`: a
+rank's micro-batch x steps per generation x T), so a larger probe batch runs in waves of that many sequences: a
+decode step is then one scheduler step of one wave, and the summary counts tokens x waves of them. Kernels are
+classed by name (`KERNEL_CLASSES`, first match wins); what a timed step spends outside every kernel is its gap
+(launch latency, synchronisation, host work between steps). Everything but `probe` is pure and tested on CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ _PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern i
 def classify(kernel: str) -> str:
     """The class of a kernel name (`OTHER` when no class matches)."""
     return next((name for name, pattern in _PATTERNS if pattern.search(kernel)), OTHER)
+
+
+def waves(batch: int, max_num_seqs: int | None) -> int:
+    """The scheduler's rounds of at most `max_num_seqs` sequences that `batch` sequences take (1: no limit known)."""
+    return -(-batch // max_num_seqs) if max_num_seqs else 1
 
 
 def summarize(kernels: Iterable[tuple[str, float, int]], *, steps: int, wall_s: float) -> dict[str, Any]:
@@ -121,9 +128,11 @@ def probe(trainer: Any, batches: Sequence[int], *, tokens: int = 128, prompt_len
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
-    llm = trainer.vllm_generation.llm
+    generation = trainer.vllm_generation
+    llm = generation.llm
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, logprobs=0)
-    results: dict[str, Any] = {"tokens": tokens, "prompt_len": prompt_len}
+    max_num_seqs = getattr(generation, "max_num_seqs", None)
+    results: dict[str, Any] = {"tokens": tokens, "prompt_len": prompt_len, "max_num_seqs": max_num_seqs}
     with sampling_engine(trainer) as extra:
         for batch in batches:
             prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 50 for j in range(prompt_len)]} for i in range(batch)]
@@ -138,7 +147,8 @@ def probe(trainer: Any, batches: Sequence[int], *, tokens: int = 128, prompt_len
             wall_s = time.perf_counter() - start
             with profile(activities=[ProfilerActivity.CUDA]) as profiler:
                 generate()
-            summary = summarize(kernel_totals(profiler), steps=tokens, wall_s=wall_s)
+            rounds = waves(batch, max_num_seqs)
+            summary = {**summarize(kernel_totals(profiler), steps=tokens * rounds, wall_s=wall_s), "waves": rounds}
             results[str(batch)] = summary
             print(format_profile(batch, summary), flush=True)
     return results

@@ -65,7 +65,17 @@ class CheckpointingRuntime:
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The checkpointed layers of `model` that trl_turbo's features apply to (`DECODER_LAYER_CLASSES`)."""
-    return [m for m in _checkpointed_layers(model) if type(m).__name__ in DECODER_LAYER_CLASSES]
+    return [m for m in _checkpointed_layers(model) if own_class_name(m) in DECODER_LAYER_CLASSES]
+
+
+def own_class_name(module: torch.nn.Module) -> str:
+    """The name of `module`'s own class, also once FSDP2's `fully_shard` has wrapped it: that swaps the class for one
+    it makes, `FSDP<name>`, deriving from (`FSDPModule`, the module's class)."""
+    cls = type(module)
+    bases = cls.__bases__
+    if cls.__name__.startswith("FSDP") and len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        cls = bases[1]
+    return cls.__name__
 
 
 def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -122,7 +132,7 @@ def use_runtime_in_layers(model: torch.nn.Module, runtime: CheckpointingRuntime)
 
 def _llama_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The Llama-style RMSNorms of `model` (the classes in `LLAMA_NORM_CLASSES`)."""
-    return [m for m in model.modules() if type(m).__name__ in LLAMA_NORM_CLASSES and hasattr(m, "variance_epsilon")]
+    return [m for m in model.modules() if own_class_name(m) in LLAMA_NORM_CLASSES and hasattr(m, "variance_epsilon")]
 
 
 def _gated_mlps(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:

@@ -33,6 +33,7 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("memory", r"memcpy|memset|copy|cat_|index|gather|scatter|fill"),
 )
 OTHER = "other elementwise"
+TOP = 4  # kernels listed per class, the longest first
 _PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES)
 
 
@@ -47,16 +48,15 @@ def waves(batch: int, max_num_seqs: int | None) -> int:
 
 
 def summarize(kernels: Iterable[tuple[str, float, int]], *, steps: int, wall_s: float) -> dict[str, Any]:
-    """Per decode step: wall time, kernel time by class (ms, share of kernel time, launches, the longest kernel) and
+    """Per decode step: wall time, kernel time by class (ms, share of kernel time, launches, its longest kernels) and
     the gap outside kernels. `kernels`: (name, total µs, launches) over the profiled generation; `wall_s`: the same
     generation's time without the profiler."""
     classes: dict[str, dict[str, Any]] = {}
     for name, total_us, launches in kernels:
-        entry = classes.setdefault(classify(name), {"us": 0.0, "launches": 0, "top": ("", 0.0)})
+        entry = classes.setdefault(classify(name), {"us": 0.0, "launches": 0, "kernels": []})
         entry["us"] += total_us
         entry["launches"] += launches
-        if total_us > entry["top"][1]:
-            entry["top"] = (name, total_us)
+        entry["kernels"].append((total_us, launches, name))
     kernel_us = sum(entry["us"] for entry in classes.values())
     per_step = max(1, steps)
     return {
@@ -67,7 +67,9 @@ def summarize(kernels: Iterable[tuple[str, float, int]], *, steps: int, wall_s: 
         "classes": {name: {"ms_per_step": entry["us"] / 1e3 / per_step,
                            "share": entry["us"] / kernel_us if kernel_us else 0.0,
                            "launches_per_step": entry["launches"] / per_step,
-                           "top_kernel": entry["top"][0][:120]}
+                           "top_kernels": [{"name": name[:160], "ms_per_step": us / 1e3 / per_step,
+                                            "launches_per_step": count / per_step}
+                                           for us, count, name in sorted(entry["kernels"], reverse=True)[:TOP]]}
                     for name, entry in sorted(classes.items(), key=lambda item: -item[1]["us"])},
     }
 

@@ -80,17 +80,17 @@ def test_unmapped_memory_is_lent_to_a_cap_and_recalled_exactly(fake_cuda):
         torch.cuda.empty_cache = saved
 
 
-def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monkeypatch):
+class _Allocation:
+    """A CuMem allocation as vLLM records it: its tag and handle (device, size, address)."""
+
+    def __init__(self, tag, size, address=None):
+        self.tag, self.handle, self.mapped = tag, (None, size, address), True
+
+
+def _fake_cumem_engine(monkeypatch, fake_cuda, allocations):
+    """vLLM's CuMem allocator over `allocations` (id -> _Allocation) and an LLM around it, for `KVStandby`."""
     import sys
     import types
-
-    from trl_turbo.vllm import engine
-
-    class Allocation:
-        def __init__(self, tag, size):
-            self.tag, self.handle, self.mapped = tag, (None, size), True
-
-    allocations = {1: Allocation("kv_cache", 4 * GIB), 2: Allocation("weights", 3 * GIB)}
 
     class Allocator:
         pointer_to_data, allocator_and_pools = allocations, {}
@@ -109,10 +109,10 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
     def unmap(handle):
         next(d for d in allocations.values() if d.handle is handle).mapped = False
 
-    cumem = types.ModuleType("vllm.device_allocator.cumem")
     def remap(handle):
         next(d for d in allocations.values() if d.handle is handle).mapped = True
 
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
     cumem.CuMemAllocator, cumem.unmap_and_release, cumem.create_and_map = Allocator, unmap, remap
     for name in ("vllm", "vllm.device_allocator"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
@@ -121,8 +121,15 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     runner = types.SimpleNamespace(post_kv_cache_wake_up=lambda: None)
     worker = types.SimpleNamespace(model_runner=runner)
-    llm = types.SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=types.SimpleNamespace(
+    return types.SimpleNamespace(reset_prefix_cache=lambda: None, llm_engine=types.SimpleNamespace(
         model_executor=types.SimpleNamespace(driver_worker=worker)))
+
+
+def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monkeypatch):
+    from trl_turbo.vllm import engine
+
+    allocations = {1: _Allocation("kv_cache", 4 * GIB), 2: _Allocation("weights", 3 * GIB)}
+    llm = _fake_cumem_engine(monkeypatch, fake_cuda, allocations)
     base = fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
     standby = engine.KVStandby(llm)
     assert standby.release() == 4 * GIB and not allocations[1].mapped and allocations[2].mapped
@@ -156,3 +163,42 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
 
     gc.collect()
     assert fake_cuda["fraction"] == base
+
+
+def test_released_weights_map_back_one_allocation_at_a_time(fake_cuda, monkeypatch):
+    """A writer that frees memory as it goes (fp8 sampling) maps each released allocation just before writing it:
+    only the allocation holding the tensor it names is mapped, and only what is still unmapped stays lent."""
+    import types
+
+    from trl_turbo.vllm import engine
+
+    def tensor_at(address, nbytes):  # a tensor whose storage starts at `address` of the device's address space
+        storage = types.SimpleNamespace(data_ptr=lambda: address, nbytes=lambda: nbytes)
+        return types.SimpleNamespace(untyped_storage=lambda: storage)
+
+    first, second = tensor_at(1 << 40, 3 * GIB), tensor_at(2 << 40, 2 * GIB)
+    allocations = {1: _Allocation("kv_cache", 4 * GIB), 2: _Allocation("weights", 3 * GIB, 1 << 40),
+                   3: _Allocation("weights", 2 * GIB, 2 << 40)}
+    llm = _fake_cumem_engine(monkeypatch, fake_cuda, allocations)
+    monkeypatch.setattr(engine.KVStandby, "_allocations_holding_only", lambda self, tensors: [
+        data for data in (allocations[2], allocations[3])
+        if data.handle[2] in {t.untyped_storage().data_ptr() for t in tensors}])
+    base = fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
+    standby = engine.KVStandby(llm, also_release=[first, second])
+    assert standby.release() == 9 * GIB and not any(data.mapped for data in allocations.values())
+    standby.restore_weights([first])
+    assert allocations[2].mapped and not allocations[3].mapped and not allocations[1].mapped
+    assert fake_cuda["fraction"] == pytest.approx(21 * GIB / (140 * GIB))  # the KV cache and `second` stay lent
+    standby.restore_weights([first])  # mapped already: nothing changes
+    assert fake_cuda["fraction"] == pytest.approx(21 * GIB / (140 * GIB))
+    standby.restore_weights([second])
+    assert allocations[3].mapped and fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))
+    assert standby.restore() == 9 * GIB and allocations[1].mapped and fake_cuda["fraction"] == base
+    # a write that stopped after mapping part back, before the KV cache: releasing again unmaps that part (its
+    # contents are lost once more), and lends it again
+    standby.release()
+    releases = standby.weight_releases
+    standby.restore_weights([first])
+    assert standby.release() == 0 and not allocations[2].mapped and standby.weight_releases == releases + 1
+    assert fake_cuda["fraction"] == pytest.approx(24 * GIB / (140 * GIB))
+    assert standby.release() == 0 and standby.weight_releases == releases + 1  # nothing mapped: nothing lost

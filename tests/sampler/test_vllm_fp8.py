@@ -315,3 +315,49 @@ def test_fp8_parks_16_bit_weights_when_the_host_copy_fits(monkeypatch, tmp_path)
     monkeypatch.setattr(engine_plan, "available_host_bytes", lambda: 2**10)
     with pytest.warns(RuntimeWarning, match="keeps the 16-bit base weights on the device"):
         assert not fp8_parks_base()
+
+
+def test_each_fp8_tensor_is_mapped_just_before_it_is_written_while_the_base_leaves(monkeypatch):
+    """With a standby, the fp8 copy's memory comes back one tensor at a time, each just before it is written, while
+    the 16-bit weights already written from go to the host: the device never holds both copies whole."""
+    from trl_turbo.vllm import session
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 2))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+
+    model = _lora_model()
+    tensors, views = _stand_in_engine(model)
+    sampling = Fp8Sampling(model, "default", tensors, views, torch.bfloat16, park_base=True, pin=False)
+    names = {id(t.rows): name for name, t in tensors.items()}
+    events = []
+
+    class Standby:
+        released, weight_releases = True, 0
+
+        def restore_weights(self, only=None):
+            (rows,) = only
+            parked = [m.name for m in sampling.matrices if all(s.module.weight.numel() == 0 for s in m.shards)]
+            events.append((names[id(rows)], parked))
+
+        def restore(self):
+            events.append("kv")
+            self.released = False
+            return 0
+
+        def release(self):
+            if not self.released:
+                events.append("release")
+            self.released = True
+            return 0
+
+    state = types.SimpleNamespace(merged=None, fp8=sampling, standby=Standby(), weight_copies=None, metrics={})
+    llm = types.SimpleNamespace(reset_prefix_cache=lambda: None)
+    with session.generating(llm, state, torch.device("cpu")):
+        events.append("generate")
+    order = [m.name for m in sampling.matrices]
+    assert [name for name, _ in events[:-3]] == order  # each once, in the order written, before the KV cache
+    for index, (_, parked) in enumerate(events[:-3]):
+        assert parked == order[:index]  # the ones written before it have left the device, it has not
+    assert events[-3:] == ["kv", "generate", "release"]
+    assert all(m.weight.numel() > 0 for m in (s.module for m in sampling.matrices for s in m.shards))  # back after
+    sampling.close()

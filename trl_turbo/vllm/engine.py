@@ -205,6 +205,16 @@ def _unmap(allocations: Iterable[Any]) -> None:
         vllm_api().mark_mapped(data, False)
 
 
+def _may_hold(allocation: Any, pointers: Iterable[int]) -> bool:
+    """Whether a CuMem allocation (vLLM's handle: device, size, address, ...) holds one of the addresses `pointers`;
+    True where the handle gives no address."""
+    handle = allocation.handle
+    if len(handle) < 3 or handle[2] is None:
+        return True
+    start = int(handle[2])
+    return any(start <= pointer < start + handle[1] for pointer in pointers)
+
+
 class KVStandby:
     """Unmaps vLLM's KV-cache pool between generations (weights stay mapped); `bytes` is what that frees.
 
@@ -224,6 +234,7 @@ class KVStandby:
             raise RuntimeError("trl_turbo: vLLM allocated no KV cache from its sleep-mode pool; the engine must be "
                                "built with `enable_sleep_mode=True`.")
         self._weight_allocations: list[Any] = []
+        self._unmapped: set[int] = set()  # ids of the weight allocations unmapped now
         self._handed: set[int] = set()  # addresses of the storages handed to `release_also`
         self.weight_releases = 0  # times the weight allocations were unmapped (their contents lost each time)
         self.resident_bytes = 0
@@ -250,6 +261,7 @@ class KVStandby:
         if new and self.released and not self._weights_mapped:
             torch.cuda.synchronize()
             _unmap(new)
+            self._unmapped.update(id(data) for data in new)
             self.weight_releases += 1
             recall_unmapped(self._loan[0])
             self._loan[0] = lend_unmapped(self.bytes + added)
@@ -277,50 +289,72 @@ class KVStandby:
 
     def release(self) -> int:
         """Unmap the KV cache (its contents are discarded) and the weight allocations released with it; returns the
-        bytes freed."""
+        bytes freed. Released already: unmaps again the weight allocations mapped back since (a write that stopped
+        before the KV cache was mapped) and returns 0."""
+        mapped_weights = [data for data in self._weight_allocations if id(data) not in self._unmapped]
         if self.released:
+            if mapped_weights:
+                torch.cuda.synchronize()
+                _unmap(mapped_weights)
+                self.weight_releases += 1
+                self._unmapped = {id(data) for data in self._weight_allocations}
+                self._weights_mapped = False
+                recall_unmapped(self._loan[0])
+                self._loan[0] = lend_unmapped(self.bytes)
             return 0
         self._llm.reset_prefix_cache()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         self.generation_in_use_bytes = total - free
-        released = self._kv_allocations() + (self._weight_allocations if self._weights_mapped else [])
-        if self._weight_allocations and self._weights_mapped:
+        if mapped_weights:
             self.weight_releases += 1
+        released = self._kv_allocations() + mapped_weights
         _unmap(released)
+        self._unmapped = {id(data) for data in self._weight_allocations}
         self._loan[0] = lend_unmapped(sum(data.handle[1] for data in released))  # under a per-process cap only
         self._weights_mapped = False
         self.released = True
         return self.bytes
 
-    def restore_weights(self) -> None:
-        """Map the released weight allocations back alone (contents undefined: the owner writes them next), so they
-        can be written while the device does not hold the KV cache yet."""
+    def restore_weights(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        """Map released weight allocations back alone (contents undefined: the owner writes them next), so they can be
+        written while the device does not hold the KV cache yet: all of them, or those holding `tensors` (a writer
+        that frees device memory as it goes maps each one just before writing it)."""
+        if not self.released or self._weights_mapped:
+            return
+        pending = [data for data in self._weight_allocations if id(data) in self._unmapped]
+        if tensors is not None:
+            pointers = [t.untyped_storage().data_ptr() for t in tensors]
+            pending = [data for data in pending if _may_hold(data, pointers)]
+        if not pending:
+            return
+        recall_unmapped(self._loan[0])  # the KV cache (and what is still unmapped) stays lent
+        self._map(pending)
+        self._loan[0] = lend_unmapped(self.kv_bytes + self._unmapped_bytes())
+
+    def _map(self, allocations: Iterable[Any]) -> None:
         from vllm.device_allocator.cumem import create_and_map
 
-        if self.released and not self._weights_mapped:
-            recall_unmapped(self._loan[0])  # the KV cache stays unmapped: only its bytes stay lent
-            self._loan[0] = lend_unmapped(self.kv_bytes)
-            for data in self._weight_allocations:
-                create_and_map(data.handle)
-                vllm_api().mark_mapped(data, True)
-            self._weights_mapped = True
+        for data in allocations:
+            create_and_map(data.handle)
+            vllm_api().mark_mapped(data, True)
+            self._unmapped.discard(id(data))
+        self._weights_mapped = not self._unmapped
+
+    def _unmapped_bytes(self) -> int:
+        return sum(data.handle[1] for data in self._weight_allocations if id(data) in self._unmapped)
 
     def restore(self) -> int:
         """Map the KV cache (and the weight allocations released with it) back at their addresses and reinitialise
         what lives in the KV cache; returns the bytes mapped."""
-        from vllm.device_allocator.cumem import create_and_map
 
         if not self.released:
             return 0
         recall_unmapped(self._loan[0])
         self._loan[0] = None
         self._allocator.wake_up(tags=["kv_cache"])
-        if not self._weights_mapped:
-            for data in self._weight_allocations:
-                create_and_map(data.handle)
-                vllm_api().mark_mapped(data, True)
-            self._weights_mapped = True
+        self._map([data for data in self._weight_allocations if id(data) in self._unmapped])
+        self._weights_mapped = True
         vllm_api().after_kv_wake_up(driver_worker(self._llm).model_runner)
         self._llm.reset_prefix_cache()
         self.released = False

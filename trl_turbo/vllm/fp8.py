@@ -28,7 +28,7 @@ Design decisions:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,10 @@ from ..sharding.dtensor import local_of
 from .host_copy import HostCopy, guard_model
 from .merge import LoraTarget, lora_targets
 from .weight_views import LayoutMismatch, SharedView, hf_weight_name
+
+# With parking: 16-bit bytes freed between two returns of torch's cached blocks to the driver while the fp8 copy is
+# mapped in (the most both copies hold at once beyond one copy)
+RETURN_EVERY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -120,16 +124,24 @@ class Fp8Sampling:
         return 0 if self._parking is None else self._parking.host_bytes
 
     @torch.no_grad()
-    def write(self) -> None:
+    def write(self, map_rows: Callable[[torch.Tensor], None] | None = None) -> None:
         """Quantize W + scaling * B @ A of every fp8 matrix into vLLM's tensors (synchronised: `quantize_s` is what
-        it took)."""
+        it took). `map_rows(rows)`: makes one fp8 tensor's memory available, called just before it is written; with
+        parking, the 16-bit weights written so far go back to the driver every `RETURN_EVERY_BYTES` meanwhile, so the
+        device never holds both copies whole."""
         start = time.perf_counter()
+        parked = 0
         for matrix in self.matrices:
+            if map_rows is not None:
+                map_rows(matrix.target.rows)
             shards = [self._merged_shard(shard) for shard in matrix.shards]
             write_merged_fp8(shards, matrix.target.rows, matrix.target.scale)
             del shards
             if self._parking is not None:
-                self._parking.park(shard.module for shard in matrix.shards)
+                parked += self._parking.park(shard.module for shard in matrix.shards)
+                if map_rows is not None and parked >= RETURN_EVERY_BYTES and matrix.target.rows.is_cuda:
+                    torch.cuda.empty_cache()
+                    parked = 0
         devices = {m.target.rows.device for m in self.matrices if m.target.rows.is_cuda}
         for device in devices:
             torch.cuda.synchronize(device)
@@ -179,16 +191,20 @@ class _Parking:
         self._parked: set[int] = set()
         self._hooks = guard_model(peft_model, self.unpark)
 
-    def park(self, modules: Any) -> None:
+    def park(self, modules: Any) -> int:
+        """Free the 16-bit weights of `modules`; returns the bytes that frees."""
+        freed = 0
         for module in modules:
             i = self._index[id(module)]
             if i not in self._parked:
                 self._parked.add(i)  # before the storage goes: an interruption after this line still unparks it
+                freed += self._homes[i][3]
                 if self._sharded[i]:
                     local_of(module.weight).untyped_storage().resize_(0)
                 else:
                     shape, dtype, device, _ = self._homes[i]
                     module.weight.data = torch.empty(0, dtype=dtype, device=device)
+        return freed
 
     def unpark(self) -> None:
         if not self._parked:

@@ -115,9 +115,9 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
             # whether a copy was released depends on this rank's allocator: no collective may hang on the decision
             sync_trained_weights(state, casts_only=True)
         if fp8 is not None:
-            if standby is not None:
-                standby.restore_weights()  # the fp8 copy's memory only (empty): written before the KV cache
-            fp8.write()  # parks the training model's 16-bit linear weights on the host as it goes
+            # each fp8 tensor's memory (empty) is mapped just before it is written, before the KV cache, while the
+            # training model's 16-bit linear weights it is written from go to the host
+            fp8.write(None if standby is None else lambda rows: standby.restore_weights([rows]))
             torch.cuda.empty_cache()
         if standby is not None:
             state.metrics["vllm/kv_restored_gib"] = standby.restore() / _GIB  # also resets the prefix cache
@@ -131,6 +131,8 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
             if standby is not None:
                 state.metrics["vllm/kv_released_gib"] = standby.release() / _GIB
     finally:
+        if standby is not None and standby.released:
+            standby.release()  # fp8 tensors mapped back for a write that stopped before the KV cache: unmapped again
         if merged is not None:
             merged.restore()  # first thing after vLLM is done with the weights, on every way out
         if fp8 is not None:

@@ -204,7 +204,8 @@ def test_a_generation_refreshes_copies_released_since_the_last_sync(monkeypatch)
     loaded = []
     norm = torch.nn.Parameter(torch.ones(3))
     state.weight_copies = WeightCopies(casts=[(master, engine)], reloads=[("norm", norm)],
-                                       load=lambda name, tensor: loaded.append(name), released_bytes=96, written_at=0)
+                                       load=lambda tensors: loaded.extend(name for name, _ in tensors),
+                                       released_bytes=96, written_at=0)
     llm = object()
     for _ in range(2):  # two generations without a sync between them: each finds its copies written
         engine.zero_()

@@ -63,7 +63,11 @@ SCRIPT = textwrap.dedent(
                 else:
                     self.tensors.setdefault(layout.vllm_name, torch.full(size, float("nan"), dtype=dtype))
 
-        def load(self, hf_name, full):
+        def load(self, tensors):
+            for hf_name, full in tensors:
+                self.load_one(hf_name, full)
+
+        def load_one(self, hf_name, full):
             self.loaded.append(hf_name)
             layout = tp_layout(hf_name, full.shape, self.facts, T, rank)
             s, target = layout.slice, self.tensors[layout.vllm_name]

@@ -32,8 +32,8 @@ class ShardEngine(Protocol):
 
     tp_rank: int
 
-    def load(self, hf_name: str, full: torch.Tensor) -> None:
-        """Take the whole HF tensor `full` into the engine (narrowed to this rank by the engine's own loader)."""
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Take whole HF tensors, (name, tensor) pairs, into the engine (narrowed to this rank by its own loader)."""
 
     def slice_of(self, layout: TPLayout) -> torch.Tensor:
         """The engine's tensor region that holds this rank's slice of `layout.hf_name` (a view)."""
@@ -124,7 +124,7 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
         if hf_name in kept:
             result.kept.append(hf_name)
             continue
-        engine.load(hf_name, param.full_tensor())  # collective: every rank gathers the same parameter in turn
+        engine.load([(hf_name, param.full_tensor())])  # collective: every rank gathers the same parameter in turn
         entry = planned.get(hf_name)
         if entry is None or entry.kind not in ("shared", "cast"):
             result.own_copies[hf_name] = entry.vllm_copy_bytes if entry is not None else 0

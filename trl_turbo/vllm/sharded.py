@@ -46,8 +46,8 @@ class VllmShardEngine:
         self.tp_rank = get_tensor_model_parallel_rank()
         self.params = vllm_engine.vllm_parameters(llm)
 
-    def load(self, hf_name: str, full: torch.Tensor) -> None:
-        vllm_engine.load_weights(self.llm, [(hf_name, full)])
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        vllm_engine.load_weights(self.llm, tensors)
 
     def slice_of(self, layout: TPLayout) -> torch.Tensor:
         tensor, slice_ = self.params.get(layout.vllm_name), layout.slice

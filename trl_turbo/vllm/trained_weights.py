@@ -24,16 +24,21 @@ import torch
 
 from ..sharding.dtensor import local_of, whole_of
 
+# Whole tensors gathered before one call of vLLM's loader (norms are kilobytes; a padded vocabulary's embedding and
+# LM head, gigabytes, go one at a time)
+RELOAD_BATCH_BYTES = 256 << 20
+
 
 @dataclass
 class WeightCopies:
     """What a sync refreshes in vLLM from the trained parameters: `casts`, (parameter, vLLM region) pairs copied
     (with a cast) in place; `reloads`, (HF name, parameter) pairs gathered whole (FSDP2) and handed to `load`, vLLM's
-    loader. Every rank runs the same reloads in the same order (they may be collective)."""
+    loader, in batches of up to `RELOAD_BATCH_BYTES` (one call walks every vLLM parameter, so not one per tensor).
+    Every rank runs the same reloads in the same order (they may be collective)."""
 
     casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     reloads: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    load: Callable[[str, torch.Tensor], None] | None = None
+    load: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None
     shared_bytes: int = 0  # training parameters that are vLLM's memory (nothing to copy)
     released_bytes: int = 0  # vLLM's copies released with the KV cache between generations
     written_at: int = 0  # the standby's `weight_releases` when the released copies were last written
@@ -52,10 +57,19 @@ class WeightCopies:
             target.copy_(local_of(source))
         _synchronize()
         cast_done = time.perf_counter()
+        batch: list[tuple[str, torch.Tensor]] = []
+        batch_bytes = 0
         for name, param in [] if casts_only else self.reloads:
             if self.load is None:
                 raise RuntimeError("trl_turbo: no loader for the weights vLLM lays out itself")
-            self.load(name, whole_of(param).detach())
+            whole = whole_of(param).detach()
+            batch.append((name, whole))
+            batch_bytes += whole.numel() * whole.element_size()
+            if batch_bytes >= RELOAD_BATCH_BYTES:
+                self.load(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            self.load(batch)
         _synchronize()
         end = time.perf_counter()
         self.split.update({"vllm/weight_cast_s": cast_done - start, "vllm/weight_reload_s": end - cast_done})

@@ -122,7 +122,8 @@ def test_fsdp2_fp8_sampling_writes_per_shard_and_refuses_projections_laid_out_ot
     # weights but big enough for one slice of them parks
     linear = facts.linear_weight_bytes
     small_host = types.SimpleNamespace(**{**facts.__dict__, "host_bytes": 2 * linear * facts.processes_on_host - 1})
-    assert engine_plan.fp8_parking(small_host) == (False, engine_plan.fp8_parking(small_host)[1])
+    parks, problem = engine_plan.fp8_parking(small_host)
+    assert not parks and problem is not None
     assert engine_plan.fp8_parking(small_host, shards=2) == (True, None)
     # T=4 > 2 KV heads: vLLM replicates k/v, so FSDP2's shards of them are not its slices; every other projection is
     unshared = unshared_projection_weights(model, 4)

@@ -98,6 +98,7 @@ def sampling_engine(trainer: Any) -> Iterator[Any]:
     """The engine ready to sample from the live policy as a training generation would, for the block; yields
     `llm.generate`'s extra keyword arguments (the LoRA request where vLLM samples through its LoRA slots)."""
     from ..vllm.engine_plan import engine_state
+    from ..vllm.session import generating  # a training generation's order, and its way out
 
     generation = trainer.vllm_generation
     llm = generation.llm
@@ -110,18 +111,8 @@ def sampling_engine(trainer: Any) -> Iterator[Any]:
         yield {}
         return
     generation.sync_weights()
-    with state.merged.sampling() if state.merged is not None else contextlib.nullcontext():
-        if state.standby is not None:
-            state.standby.restore()
-        if state.fp8 is not None:
-            state.fp8.write()
-        try:
-            yield {} if state.merged is not None else {"lora_request": state.lora_request}
-        finally:
-            if state.standby is not None:
-                state.standby.release()
-            if state.fp8 is not None:
-                state.fp8.unpark()
+    with generating(llm, state, trainer.accelerator.device):
+        yield {} if state.merged is not None else {"lora_request": state.lora_request}
 
 
 def probe(trainer: Any, batches: Sequence[int], *, tokens: int = 128, prompt_len: int = 16) -> dict[str, Any]:

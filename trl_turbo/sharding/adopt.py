@@ -3,7 +3,8 @@
 Design: the engine's own loader decides what each rank holds, never a re-implementation of it. After `fully_shard`
 (with `shard_placement.ShardPlacementFn`) every base parameter is gathered whole once, one at a time, and handed to
 the engine's loader (`ShardEngine.load`), which narrows it to its rank's slice as it would a checkpoint's tensor;
-the engine then holds every weight, those that keep a copy of their own included. For each weight the plan shares,
+the engine then holds every weight, those that keep a copy of their own included, except those its sampler writes
+itself from the shards (`kept`: an fp8 copy), which are neither loaded nor shared. For each weight the plan shares,
 the engine's slice (`ShardEngine.slice_of`) must then equal this rank's FSDP2 shard bit for bit; only when that holds
 on every rank of the world (one all-reduce, so no rank adopts while another refuses) does FSDP2 take the engine's
 slice as the shard's storage: a DTensor over that view replaces the parameter and FSDP2's own

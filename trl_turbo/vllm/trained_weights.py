@@ -24,8 +24,7 @@ import torch
 
 from ..sharding.dtensor import local_of, whole_of
 
-# Whole tensors gathered before one call of vLLM's loader (norms are kilobytes; a padded vocabulary's embedding and
-# LM head, gigabytes, go one at a time)
+# Whole tensors gathered before one call of vLLM's loader: a batch is handed over once it reaches this size
 RELOAD_BATCH_BYTES = 256 << 20
 
 

@@ -184,6 +184,7 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
     sharing = sampling = None
     problems: list[str] = []
     sharded = colocate and settings.vllm_shared_weights and fsdp2
+    shards = tp_size if sharded else 1  # each rank holds 1/shards of the weights it samples from
     if colocate and settings.vllm_shared_weights:
         if facts is None:
             raise ValueError("the engine plan of shared weights needs the policy model's facts")
@@ -194,7 +195,7 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
                              f"weights only, and this model cannot share them: {'; '.join(sharing.reasons)}. Set "
                              "`turbo_vllm_shared_weights=False` (TRL's weight sync), or train with DDP.")
         sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts,
-                                           shards=tp_size if sharded else 1) if facts.has_adapter else (None, [])
+                                           shards=shards) if facts.has_adapter else (None, [])
         if sharded and sampling is SamplingMode.MERGED and unshared_adapted:
             sampling, problems = SamplingMode.LORA, [*problems, f"{len(unshared_adapted)} adapted weights keep a "
                                                      f"copy of their own in vLLM (e.g. {unshared_adapted[0]}), which "
@@ -206,7 +207,7 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
                          f"{unshared_projections[0]}: KV heads fewer than `vllm_tensor_parallel_size={tp_size}`, or a "
                          "dimension it does not divide). Use `turbo_vllm_sampling='merged'` or 'lora', or a "
                          "tensor-parallel size that divides the KV heads.")
-    parks, park_problem = fp8_parking(facts, shards=tp_size if sharded else 1) if fp8 else (False, None)
+    parks, park_problem = fp8_parking(facts, shards=shards) if fp8 else (False, None)
     return EnginePlan(
         sharing=sharing, sampling=sampling, sampling_problems=tuple(problems),
         # under FSDP2 the model waits on the host until training starts, and full fine-tuning parks nothing (no

@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
     from trl_turbo.offload.checkpoint import CheckpointOffloader
     from trl_turbo.offload import tiled_mlp
     from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
+    from trl_turbo.offload.memory_plan import MemoryPlanner
     from trl_turbo.testing.models import tiny_model
     from trl_turbo.testing.multi_gpu import leave_finished_process
 
@@ -67,10 +68,16 @@ SCRIPT = textwrap.dedent(
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base = model.base_model.model
-        offloader = None
+        offloader = planner = None
         if variant != "transformers":
             offloader = CheckpointOffloader(1 << 30, min_bytes=0)
-            install_runtime(base, CheckpointingRuntime(offloader, None))
+            if variant.startswith("planned"):
+                # the automatic plan against a faked device budget: roomy keeps every layer's activations (layer 0
+                # measures them while FSDP2 holds the other layers' parameters as DTensors), tight offloads them all
+                free = 1 << 40 if variant == "planned-roomy" else 0
+                planner = MemoryPlanner(layer_count=3, parameters=model.parameters, can_offload=True,
+                                        budget=lambda device: (free, 0, 1 << 40))
+            install_runtime(base, CheckpointingRuntime(offloader, planner))
         if variant == "tiled":
             install_tiled_mlp(base, tile_tokens=8)
         for layer in base.model.layers:
@@ -87,15 +94,18 @@ SCRIPT = textwrap.dedent(
         loss.backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
         moved = offloader.take_stats().offloaded_bytes if offloader is not None else 0
-        return loss.item(), grads, gathers[0], moved, tiles[0]
+        kept = planner.current.kept_layers if planner is not None else -1
+        return loss.item(), grads, gathers[0], moved, tiles[0], kept
 
 
-    results = {variant: step(variant) for variant in ("transformers", "turbo", "tiled")}
+    variants = ("transformers", "turbo", "tiled", "planned-roomy", "planned-tight")
+    results = {variant: step(variant) for variant in variants}
     reference = results["transformers"][1]
     report = {"loss": {v: r[0] for v, r in results.items()}, "gathers": {v: r[2] for v, r in results.items()},
               "offloaded_bytes": {v: r[3] for v, r in results.items()},
-              "tiled_calls": {v: r[4] for v, r in results.items()}, "trainable": len(reference)}
-    for variant in ("turbo", "tiled"):
+              "tiled_calls": {v: r[4] for v, r in results.items()},
+              "kept_layers": {v: r[5] for v, r in results.items()}, "trainable": len(reference)}
+    for variant in variants[1:]:
         grads = results[variant][1]
         report[f"{variant}_missing"] = sorted(set(reference) - {n for n, g in grads.items() if g is not None})
         report[f"{variant}_max_abs"] = max(float((grads[n] - reference[n]).abs().max()) for n in reference)
@@ -120,9 +130,14 @@ def test_checkpoint_function_and_tiled_mlp_inside_fsdp2_layers(tmp_path):
     for rank in range(2):
         report = json.loads((tmp_path / f"report.json.{rank}").read_text())
         assert report["trainable"] == 3 * 7 * 2  # LoRA A and B on 7 projections of 3 layers
-        assert report["turbo_missing"] == report["tiled_missing"] == []
-        assert report["loss"]["turbo"] == report["loss"]["transformers"]
-        assert report["turbo_max_abs"] == 0.0  # the same arithmetic: bitwise
+        for variant in ("turbo", "tiled", "planned-roomy", "planned-tight"):
+            assert report[f"{variant}_missing"] == []
+        for variant in ("turbo", "planned-roomy", "planned-tight"):
+            assert report["loss"][variant] == report["loss"]["transformers"]
+            assert report[f"{variant}_max_abs"] == 0.0  # the same arithmetic: bitwise
+        assert report["kept_layers"]["planned-roomy"] == 3 and report["kept_layers"]["planned-tight"] == 0
+        assert report["offloaded_bytes"]["planned-tight"] > 0 and report["offloaded_bytes"]["planned-roomy"] == 0
+        assert report["gathers"]["planned-tight"] == report["gathers"]["transformers"]
         assert report["tiled_max_rel"] < 1e-5  # per-tile sums, fp32
         assert report["gathers"]["turbo"] == report["gathers"]["tiled"] == report["gathers"]["transformers"]
         assert report["offloaded_bytes"]["turbo"] > 0 and report["offloaded_bytes"]["tiled"] > 0

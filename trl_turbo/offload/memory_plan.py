@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from ..device_memory import device_budget, kept_free_bytes
+from ..sharding.dtensor import local_of
 from .lean_activations import lean_saved_tensors
 
 _GIB = 2**30
@@ -318,7 +319,8 @@ class MemoryPlanner:
                    * recompute_working_factor(self.untiled_recompute))
         first_kept = first_layer_fits(free, margin, head_bytes, estimate, working)
         if first_kept:
-            storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
+            # an FSDP2 parameter outside the gathered layer is a DTensor, whose storage is its local shard
+            storages = {local_of(p).untyped_storage().data_ptr() for p in self.parameters()}
             with lean_saved_tensors(storages) as counted, kept_layer():  # also counts what plain autograd stores
                 output = function(*args)
             layer_bytes, working = counted

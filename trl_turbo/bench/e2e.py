@@ -25,6 +25,10 @@ Several GPUs: a launch other than ``1gpu`` names one of TRL's shipped accelerate
 own row, and the driver merges them (peak: the largest of any GPU; step time: the slowest rank's median). Every rank
 takes a whole group of generations per step, so N GPUs do N times the work of one per step, and throughput is
 completion tokens per second over all GPUs.
+
+Synthetic rollouts (a spec's `rollouts`, set by ``bench train --launch``): the child builds no vLLM engine and
+`synthetic.synthetic_rollouts` stands in for TRL's generation, so whole optimizer steps measure the training phase
+under a launch that wraps the model only inside `Trainer.train()`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .layerwise_checkpoint import save_layerwise_checkpoint
 from .peers import PEER_VARIANTS
 from .results import DEFAULT_RESULTS_DIR, GIB
 from .roofline import format_roofline, row_roofline
+from .synthetic import synthetic_rollouts
 
 # What each variant adds to the common GRPOConfig. Stock is TRL's colocate mode with sleep mode (level 2: weights and
 # KV cache dropped between generations) at TRL's default memory share; turbo is every trl_turbo default plus the
@@ -76,6 +81,7 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 VARIANTS = (*VARIANT_CONFIG, *PEER_VARIANTS)  # the peers run their own recipe (`peers`)
 CHECKPOINT_MARKER = "trl_turbo_checkpoint.json"
+SYNTHETIC = "synthetic"  # a spec's `rollouts`: no vLLM engine, generation replaced by `synthetic_rollouts`
 SAMPLE_PERIOD_S = 0.02
 TIMELINE_PERIOD_S = 0.25
 
@@ -295,7 +301,8 @@ def grpo_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         num_generations=spec["generations"],
         max_completion_length=spec["completion_len"], max_steps=spec["steps"], logging_steps=1,
         report_to="none", save_strategy="no",
-        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
+        use_vllm=spec.get("rollouts") != SYNTHETIC, vllm_mode="colocate",
+        vllm_max_model_length=spec["prompt_len"] + spec["completion_len"],
         vllm_tensor_parallel_size=spec.get("vllm_tp", 1),
         generation_kwargs={"ignore_eos": True},  # every completion runs to the cap: the same work for each variant
     )
@@ -335,13 +342,18 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     dataset = workload_dataset(spec, tokenizer)  # outside the timed start-up, as for every variant
 
     def build() -> Any:
-        return GRPOTrainer(
+        trainer = GRPOTrainer(
             model=spec["checkpoint"], reward_funcs=hashed_reward, args=config,
             train_dataset=dataset, processing_class=tokenizer,
             peft_config=None if spec.get("lora") is None else LoraConfig(
                 r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
                 target_modules=spec["lora"]["target_modules"], task_type="CAUSAL_LM"),
         )
+        if spec.get("rollouts") == SYNTHETIC:  # the training phase only: TRL's generation gives way to made-up rollouts
+            trainer._generate_and_score_completions = synthetic_rollouts(
+                spec["prompt_len"], spec["completion_len"], SHAPES[spec["shape"]]["vocab_size"], device,
+                int(os.environ.get("WORLD_SIZE", 1)), spec["seed"])
+        return trainer
 
     def describe(trainer: Any, row: dict[str, Any]) -> None:
         row["liger_layers"] = variant != "stock" and run_plan.of(trainer).memory.liger  # resolved from auto
@@ -384,10 +396,11 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
                 except Exception as exc:
                     row["accounting_error"] = f"{type(exc).__name__}: {exc}"
 
-            account()
+            if getattr(trainer, "vllm_generation", None) is not None:
+                account()
 
             def save_progress() -> None:  # a variant stopped by its timeout still leaves its finished steps
-                if len(steps) == 1:
+                if len(steps) == 1 and getattr(trainer, "vllm_generation", None) is not None:
                     account()  # again: FSDP2 shards the model (and shares its shards) only when training starts
                 partial = {**row, "error": "stopped before the last step", "steps": steps,
                            "timeline": sampler.timeline, **summarize(steps, spec["warmup"])}
@@ -431,7 +444,7 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
     import torch
     from transformers import TrainerCallback
 
-    generation, phases = trainer.vllm_generation, {}
+    generation, phases = getattr(trainer, "vllm_generation", None), {}
 
     class StepRecorder(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -452,6 +465,9 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
             on_step()
 
     trainer.add_callback(StepRecorder())
+    if generation is None:  # synthetic rollouts: no engine to time
+        yield
+        return
     with (registry.scoped(generation, "generate",
                           _timed(sampler, "generation", phases, "generate_s", generation.generate)),
           registry.scoped(generation, "sync_weights",

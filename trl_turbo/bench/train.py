@@ -38,7 +38,9 @@ from . import (
     set_patched,
     synchronize,
 )
+from .e2e import SINGLE_GPU
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
+from .synthetic import synthetic_inputs
 
 # Config each variant adds to GRPOConfig; stock runs first, with trl_turbo unpatched. Each trainer built on the
 # shared model first removes what an earlier one installed, so every variant runs exactly its own features.
@@ -136,25 +138,6 @@ def build_trainer(model: torch.nn.Module, micro_batch: int, completion_len: int,
         trainer.use_vllm = True
         trainer.vllm_importance_sampling_correction = True
     return trainer
-
-
-def synthetic_inputs(micro_batch: int, prompt_len: int, completion_len: int, vocab_size: int, device: torch.device,
-                     tis: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A batch like ``_generate_and_score_completions`` returns, before any old-logps pass; same for every variant."""
-    gen = torch.Generator().manual_seed(seed)
-    batch: dict[str, torch.Tensor] = {
-        "prompt_ids": torch.randint(vocab_size, (micro_batch, prompt_len), generator=gen),
-        "prompt_mask": torch.ones(micro_batch, prompt_len, dtype=torch.long),
-        "completion_ids": torch.randint(vocab_size, (micro_batch, completion_len), generator=gen),
-        "completion_mask": torch.ones(micro_batch, completion_len, dtype=torch.long),
-        "advantages": torch.randn(micro_batch, generator=gen),
-        "num_items_in_batch": torch.tensor(micro_batch * completion_len),
-    }
-    if tis:
-        # Near a random-init model's log-probs (~ -log V); the values steer the IS ratio only, not the work done
-        noise = torch.randn(micro_batch, completion_len, generator=gen)
-        batch["sampling_per_token_logps"] = noise * 0.01 - math.log(vocab_size)
-    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def importance_sampling_ratio(trainer: Any, old_logps: torch.Tensor, sampling_logps: torch.Tensor,
@@ -297,6 +280,11 @@ def run(args: argparse.Namespace) -> Path:
         clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
         if clash and variant != "stock":
             raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
+    if args.launch != SINGLE_GPU:
+        from . import train_launched
+
+        configs = {variant: variant_config(variant, args.forward_token_budget, overrides) for variant in variants}
+        return train_launched.run(args, lengths, variants, configs)
     config = {
         "shape": args.shape,
         "model_config": SHAPES[args.shape],
@@ -381,4 +369,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps first (0 for longest-length probes)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--launch", default=SINGLE_GPU,
+                        help="1gpu, or one of TRL's accelerate configs (fsdp2, ...): whole steps on --processes GPUs")
+    parser.add_argument("--processes", type=int, default=2, help="GPUs of a --launch other than 1gpu")
+    parser.add_argument("--checkpoint", default=None,
+                        help="--launch: where the random-init checkpoint is saved (reused)")
+    parser.add_argument("--variant-timeout", type=float, default=1200.0,
+                        help="--launch: seconds before a variant is stopped")
     parser.set_defaults(func=run)

@@ -7,8 +7,10 @@ parameters when trl_turbo's function is called and gathers them again (its pre-b
 Checked per rank after one forward and backward of a LoRA model, checkpointing enabled again once FSDP2 has
 wrapped it (as TRL does around each generation): the checkpoint function's gradients (FSDP2's
 reduce-scattered shards, gathered whole) equal transformers' checkpointing bitwise, the tiled MLP's within float
-reassociation, with the same number of all-gathers, and the offloader moved the saved layer inputs. (A run under
-FSDP2 turns both features on from transformers 5.23: `distributed.VERSION_GATES`.)
+reassociation, with the same number of all-gathers, and the offloader moved the saved layer inputs. The automatic
+memory plan, against a faked budget, plans at the first layer while FSDP2 holds the other layers as DTensors: a roomy
+budget keeps every layer, a tight one offloads them all, both bitwise, each reserving room for gathered layers.
+(A run under FSDP2 turns both features on from transformers 5.23: `distributed.VERSION_GATES`.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from packaging.version import Version
 
 from trl_turbo import versions
+from trl_turbo.offload.memory_plan import SHARDED_RESERVE_LAYERS
 from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
 
 SCRIPT = textwrap.dedent(
@@ -37,7 +40,7 @@ SCRIPT = textwrap.dedent(
     from trl_turbo.offload.checkpoint import CheckpointOffloader
     from trl_turbo.offload import tiled_mlp
     from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, install_tiled_mlp
-    from trl_turbo.offload.memory_plan import MemoryPlanner
+    from trl_turbo.offload.memory_plan import MemoryPlanner, reserve_margin
     from trl_turbo.testing.models import tiny_model
     from trl_turbo.testing.multi_gpu import leave_finished_process
 
@@ -95,7 +98,10 @@ SCRIPT = textwrap.dedent(
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
         moved = offloader.take_stats().offloaded_bytes if offloader is not None else 0
         kept = planner.current.kept_layers if planner is not None else -1
-        return loss.item(), grads, gathers[0], moved, tiles[0], kept
+        # the planner's reserve for FSDP2's gathered layers, beyond the margin of an unsharded model
+        reserve = planner.last_budget[2] - reserve_margin(1 << 40) if planner is not None else -1
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensors count whole
+        return loss.item(), grads, gathers[0], moved, tiles[0], kept, reserve, whole
 
 
     variants = ("transformers", "turbo", "tiled", "planned-roomy", "planned-tight")
@@ -104,7 +110,9 @@ SCRIPT = textwrap.dedent(
     report = {"loss": {v: r[0] for v, r in results.items()}, "gathers": {v: r[2] for v, r in results.items()},
               "offloaded_bytes": {v: r[3] for v, r in results.items()},
               "tiled_calls": {v: r[4] for v, r in results.items()},
-              "kept_layers": {v: r[5] for v, r in results.items()}, "trainable": len(reference)}
+              "kept_layers": {v: r[5] for v, r in results.items()},
+              "sharded_reserve": {v: r[6] for v, r in results.items()}, "model_bytes": results["turbo"][7],
+              "trainable": len(reference)}
     for variant in variants[1:]:
         grads = results[variant][1]
         report[f"{variant}_missing"] = sorted(set(reference) - {n for n, g in grads.items() if g is not None})
@@ -138,6 +146,9 @@ def test_checkpoint_function_and_tiled_mlp_inside_fsdp2_layers(tmp_path):
         assert report["kept_layers"]["planned-roomy"] == 3 and report["kept_layers"]["planned-tight"] == 0
         assert report["offloaded_bytes"]["planned-tight"] > 0 and report["offloaded_bytes"]["planned-roomy"] == 0
         assert report["gathers"]["planned-tight"] == report["gathers"]["transformers"]
+        # under FSDP2 the plan keeps SHARDED_RESERVE_LAYERS layers' worth of the whole model free besides its margin
+        expected = SHARDED_RESERVE_LAYERS * (report["model_bytes"] // 3)
+        assert report["sharded_reserve"]["planned-roomy"] == report["sharded_reserve"]["planned-tight"] == expected
         assert report["tiled_max_rel"] < 1e-5  # per-tile sums, fp32
         assert report["gathers"]["turbo"] == report["gathers"]["tiled"] == report["gathers"]["transformers"]
         assert report["offloaded_bytes"]["turbo"] > 0 and report["offloaded_bytes"]["tiled"] > 0

@@ -48,6 +48,8 @@ def _spec(config: dict):
 def test_training_peaks_match_every_current_bench_train_row():
     checked, misses, auto = 0, [], 0
     for result in _results("train"):
+        if result["config"].get("launch", "1gpu") != "1gpu":  # per GPU under a launch: the next test
+            continue
         spec = _spec(result["config"])
         for row in result["rows"]:
             if not row["ok"] or row["variant"] not in MODES:
@@ -78,6 +80,35 @@ def test_training_peaks_match_every_current_bench_train_row():
     assert not misses, misses
 
 
+def test_per_gpu_training_forecast_matches_the_launched_bench_train_rows(monkeypatch):
+    """`bench train --launch fsdp2` against `trl-turbo plan --processes N` without vLLM: per GPU, FSDP2's shard of
+    the weights, its gathered layers and the micro-batch's activations."""
+    checked = 0
+    for result in _results("train"):
+        config = result["config"]
+        if config.get("launch", "1gpu") == "1gpu":
+            continue
+        spec = _spec(config)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(config["processes"]))
+        for row in result["rows"]:
+            if not row["ok"]:
+                continue
+            args = types.SimpleNamespace(use_vllm=False, per_device_train_batch_size=config["micro_batch_per_gpu"],
+                                         steps_per_generation=1, max_completion_length=row["completion_len"],
+                                         world_size=config["processes"], fsdp="full_shard",
+                                         fsdp_config={"version": 2}, gradient_checkpointing=True,
+                                         **config["variant_config"][row["variant"]])
+            forecast = forecast_run(args, spec, capacity_bytes=CAPACITY[result["gpu"]],
+                                    prompt_tokens=config["prompt_len"], stock=row["variant"] == "stock")
+            miss = abs(forecast.peak_bytes / 2**30 / row["peak_gib"] - 1)
+            if (result["stem"], row["variant"]) in KNOWN_MISSES:
+                assert TOLERANCE < miss <= KNOWN_MISS_TOLERANCE, (result["stem"], row["variant"], miss)
+            else:
+                assert miss <= TOLERANCE, (result["stem"], row["variant"], miss)
+            checked += 1
+    assert checked >= 2, checked
+
+
 # Rows the forecast is known to miss by more than TOLERANCE, with why; they must stay within KNOWN_MISS_TOLERANCE and
 # outside TOLERANCE (an entry to delete once the forecast covers the row). Stock's Qwen2.5-32B row peaks on rank 0,
 # whose device held 4.7 GiB more than rank 1's from start-up on (0.5 GiB at 8B; turbo's rank 0 4.4 GiB more), and in
@@ -88,8 +119,12 @@ def test_training_peaks_match_every_current_bench_train_row():
 # (`fastest_group_rows`), yet the same row run again with it (…-042956, one step) peaked at 24.2 GiB with every layer
 # offloaded and 24.7 GiB predicted: a single step's one micro-batch is planned before anything was measured, so it
 # takes the token budget's groups. Why the earlier row's later steps kept large groups is not yet known.
+# Under FSDP2 (bench train, Qwen2.5-32B shape, 8 x 8448 tokens per GPU) turbo-min peaks at 50.8 GiB against 45.2 GiB
+# forecast; stock's row is 3.4 GiB over its forecast too (within TOLERANCE). Beyond two gathered layers, neither
+# NCCL's buffers nor FSDP2's all-gather buffers around each recompute are modelled; the GPU run did not break it down.
 KNOWN_MISSES = {("e2e-qwen2.5-32b-realistic-2gpu-tp2-20261127-225752", "stock"),
-                ("e2e-llama-3.1-8b-20261128-012724", "turbo"), ("e2e-llama-3.1-8b-20261128-042956", "turbo")}
+                ("e2e-llama-3.1-8b-20261128-012724", "turbo"), ("e2e-llama-3.1-8b-20261128-042956", "turbo"),
+                ("train-qwen2.5-32b-2gpu-fsdp2-20261128-075129", "turbo-min")}
 KNOWN_MISS_TOLERANCE = 0.13
 
 

@@ -64,6 +64,12 @@ MARGIN_FLOOR_BYTES = 1 * _GIB
 # margin only absorbs the prediction's error: a peak past the ceiling raises the step's peak, it does not fail, and a
 # miss widens the reserve of later plans. Predictions run above the measured peak (H200, Llama-3.1-8B realistic
 # e2e row 20261125-082954: 47.7 GiB predicted, 45.2 GiB measured by torch).
+# Under FSDP2 a backward pass also holds gathered layers (the one computing, the one prefetched, the all-gather buffers
+# they are copied out of), and the caching allocator is left with free blocks between kept activations too small for
+# the next gather. Measured on 2 x H200 (Qwen2.5-32B shape, LoRA, 8 x 8448 tokens per GPU, one layer ~0.95 GiB): a
+# plan whose peak the forecast put at 130.8 GiB ran out of memory with 7.9 GiB of the device held in such blocks,
+# about 8 gathered layers' worth. A sharded run's planner keeps this many layers' 16-bit bytes free besides its margin.
+SHARDED_RESERVE_LAYERS = 12
 CEILING_MARGIN_FRACTION = 0.01
 CEILING_MARGIN_FLOOR_BYTES = 256 * 2**20
 # Relative time per token of a micro-batch's training forward and backward split into sequence groups of this many
@@ -152,6 +158,12 @@ def recompute_working_factor(untiled_recompute: bool) -> int:
 def reserve_margin(total_bytes: int, extra_reserve_bytes: int = 0) -> int:
     """What stays free of a device of `total_bytes` whatever the plan (plus what re-plans added)."""
     return kept_free_bytes(total_bytes, MARGIN_FRACTION, MARGIN_FLOOR_BYTES) + extra_reserve_bytes
+
+
+def sharded_reserve_bytes(model_bytes: int, layer_count: int) -> int:
+    """What a planner under FSDP2 keeps free besides its margin, for a model of `model_bytes` (whole, as gathered)
+    over `layer_count` decoder layers (`SHARDED_RESERVE_LAYERS`)."""
+    return SHARDED_RESERVE_LAYERS * (model_bytes // max(1, layer_count))
 
 
 def spendable(free_bytes: int, free_under_ceiling: int | None, total_bytes: int,
@@ -284,14 +296,22 @@ class MemoryPlanner:
         Under a ceiling: the smaller of the device's and the ceiling's budgets, each less its own margin."""
         if self.budget is not None:
             free, allocated, total = self.budget(device)
-            return free, allocated, reserve_margin(total, self.extra_reserve_bytes)
+            return free, allocated, reserve_margin(total, self.extra_reserve_bytes + self._sharded_reserve())
         if device.type != "cuda":
             return None
         free, allocated, total = device_budget(device)
         ceiling = self.ceiling() if self.ceiling is not None else None
         under_ceiling = device_budget(device, ceiling)[0] if ceiling is not None else None
-        free, margin = spendable(free, under_ceiling, total, self.extra_reserve_bytes)
+        free, margin = spendable(free, under_ceiling, total, self.extra_reserve_bytes + self._sharded_reserve())
         return free, allocated, margin
+
+    def _sharded_reserve(self) -> int:
+        """`sharded_reserve_bytes` when FSDP2 shards the model (some parameter is a DTensor, whose size is the whole
+        tensor's), else 0."""
+        parameters = list(self.parameters())
+        if all(local_of(p) is p for p in parameters):
+            return 0
+        return sharded_reserve_bytes(sum(p.numel() * p.element_size() for p in parameters), self.layer_count)
 
     def run_first_layer(self, function: Callable, args: tuple[Any, ...], frugal: Callable[..., Any]) -> Any:
         """Run the first layer, plan the other layers of this forward. The first layer keeps its activations while

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import MemoryPlanMode, SamplingMode, Settings
 from ..distributed import Strategy, detect_strategy
+from ..offload.memory_plan import sharded_reserve_bytes
 from ..run_plan import RunPlan
 from ..run_plan import forecast as forecast_plan
 from ..vllm.engine_plan import EngineFacts
@@ -203,10 +204,11 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     # every process, or with shared weights its vLLM tensor-parallel group (HSDP when there are more processes, each
     # shard then a vLLM slice); one layer is gathered whole at a time
     processes, tp = fsdp2_layout(args)
-    gathered = 0
+    gathered = sharded_reserve = 0
     if processes > 1:
         shards = tp if shared else processes
         layer_bytes = weights // max(1, spec.layers)  # gathered in the 16-bit compute dtype
+        sharded_reserve = sharded_reserve_bytes(weights + adapter, spec.layers) if shards > 1 else 0
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
         gathered = 2 * layer_bytes if shards > 1 else 0  # the layer computing and the one prefetched
@@ -240,7 +242,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                                capacity_bytes=capacity_bytes,
                                static_bytes=static + optimizer + engine_training + gathered,
                                quantized_4bit=quantized_4bit,
-                               generation_bytes=phases[-1].device_bytes if standby and phases else None)
+                               generation_bytes=phases[-1].device_bytes if standby and phases else None,
+                               sharded_reserve=sharded_reserve)
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                          "vLLM resident": engine_training, **({"gathered layers": gathered} if gathered else {}),
@@ -260,7 +263,7 @@ def fsdp2_layout(args: Any) -> tuple[int, int]:
 
 def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, completion: int, prompt_tokens: int,
                     capacity_bytes: int, static_bytes: int, quantized_4bit: bool,
-                    generation_bytes: int | None) -> TrainingForecast:
+                    generation_bytes: int | None, sharded_reserve: int = 0) -> TrainingForecast:
     """The training phase under the plan's memory policy (stock: `plan` None), its ceiling the user's
     `turbo_training_memory_gib`, else in standby the generation's footprint as the device counts it (the run reads
     it device-wide, its context included)."""
@@ -284,7 +287,8 @@ def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, complet
         static_bytes=static_bytes, quantized_4bit=quantized_4bit,
         forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,
         tiled_mlp_tokens=plan.memory.tiled_mlp_tokens if plan is not None else None,
-        gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling)
+        gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling,
+        sharded_reserve=sharded_reserve)
 
 
 def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,

@@ -98,10 +98,11 @@ def token_groups(batch: MicroBatch, budget: int | None) -> tuple[int, int]:
 def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity_bytes: int, static_bytes: int,
                       quantized_4bit: bool = False, forward_token_budget: int | None = 32768,
                       tiled_mlp_tokens: int | None = 16384, gradient_checkpointing: bool = True,
-                      ceiling_bytes: int | None = None) -> TrainingForecast:
+                      ceiling_bytes: int | None = None, sharded_reserve: int = 0) -> TrainingForecast:
     """The micro-step peak under `mode` ("off": stock TRL, "min", "auto") for a device of `capacity_bytes` holding
     `static_bytes` (weights and adapter) when training starts; `ceiling_bytes` caps "auto" (standby's generation
-    footprint, or the user's `turbo_training_memory_gib`); `tiled_mlp_tokens` None: the MLP is not tiled."""
+    footprint, or the user's `turbo_training_memory_gib`); `tiled_mlp_tokens` None: the MLP is not tiled;
+    `sharded_reserve`: what "auto" keeps free besides its margin under FSDP2 (`memory_plan.sharded_reserve_bytes`)."""
     unit = spec.hidden_size * ACTIVATION_BYTES  # one hidden-size tensor per token
     attention, mlp = layer_states(spec, quantized_4bit)
     adapter_grads = 4 * spec.lora_parameters
@@ -133,7 +134,8 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
                          * recompute_working_factor(spec.model_type in POST_MLP_NORM_MODEL_TYPES))
     allocated = static_bytes + adapter_grads
     under_ceiling = None if ceiling_bytes is None else ceiling_bytes - CONTEXT_BYTES - allocated
-    free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes)
+    free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes,
+                             sharded_reserve)
 
     head_per_token = HEAD_HIDDEN_STATES * spec.hidden_size * 4
 

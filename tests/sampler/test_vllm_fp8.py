@@ -350,10 +350,13 @@ def test_each_fp8_tensor_is_mapped_just_before_it_is_written_while_the_base_leav
             self.released = True
             return 0
 
-    state = types.SimpleNamespace(merged=None, fp8=sampling, standby=Standby(), weight_copies=None, metrics={})
+    # under FSDP2 the shards are put back in place first: fp8 is written from them and parks them
+    state = types.SimpleNamespace(merged=None, fp8=sampling, standby=Standby(), weight_copies=None, metrics={},
+                                  before_sampling=lambda: events.append("reshard"))
     llm = types.SimpleNamespace(reset_prefix_cache=lambda: None)
     with session.generating(llm, state, torch.device("cpu")):
         events.append("generate")
+    assert events.pop(0) == "reshard"
     order = [m.name for m in sampling.matrices]
     assert [name for name, _ in events[:-3]] == order  # each once, in the order written, before the KV cache
     for index, (_, parked) in enumerate(events[:-3]):

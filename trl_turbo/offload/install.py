@@ -19,6 +19,7 @@ import torch
 
 from .. import registry
 from ..families import DECODER_LAYER_CLASSES, LLAMA_NORM_CLASSES
+from ..sharding.fsdp_modules import own_class_name
 from .checkpoint import CheckpointOffloader, offloaded_checkpoint
 from .lean_norm import LeanRMSNormForward
 from .memory_plan import MemoryPlanner, planned_checkpoint
@@ -66,16 +67,6 @@ class CheckpointingRuntime:
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The checkpointed layers of `model` that trl_turbo's features apply to (`DECODER_LAYER_CLASSES`)."""
     return [m for m in _checkpointed_layers(model) if own_class_name(m) in DECODER_LAYER_CLASSES]
-
-
-def own_class_name(module: torch.nn.Module) -> str:
-    """The name of `module`'s own class, also once FSDP2's `fully_shard` has wrapped it: that swaps the class for one
-    it makes, `FSDP<name>`, deriving from (`FSDPModule`, the module's class)."""
-    cls = type(module)
-    bases = cls.__bases__
-    if cls.__name__.startswith("FSDP") and len(bases) == 2 and bases[0].__name__ == "FSDPModule":
-        cls = bases[1]
-    return cls.__name__
 
 
 def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -381,6 +381,7 @@ class EngineState:
         self.lora_request: Any = None
         self.full_finetuning = False  # the trained parameters are vLLM's weights (no adapter to hand over)
         self.weight_copies: Any = None  # full fine-tuning: what a sync refreshes in vLLM (`WeightCopies`)
+        self.before_sampling: Any = None  # sharded: puts FSDP2's modules back on their shards (`reshard_all`)
         self.shared_bytes = 0
         self.copy_bytes = 0
         self.metrics: dict[str, float] = {}

@@ -103,6 +103,10 @@ def generating(llm: Any, state: EngineState, device: torch.device) -> Iterator[N
     start = time.perf_counter()
     merged, fp8, standby = state.merged, state.fp8, state.standby
     try:
+        if state.before_sampling is not None:
+            # the merge writes into FSDP2's shards and fp8 parks them: a layer left gathered by a forward (the
+            # root's, or any under `reshard_after_forward=False`) would hand over its gathered copy instead
+            state.before_sampling()
         if standby is not None or merged is not None or fp8 is not None:
             # The KV cache maps fresh device memory and the merge needs scratch: blocks torch's allocator still
             # caches from training go back to the driver first (stock TRL's sync does the same).

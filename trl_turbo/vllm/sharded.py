@@ -17,12 +17,14 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ..sharding.adopt import ShardedSharing, ShardEngine, share_shards
+from ..sharding.fsdp_modules import reshard_all
 from ..sharding.mesh_shape import device_mesh, hsdp_mesh
 from ..sharding.shard_placement import PlacementPlan, ShardPlacementFn, plan_model
 from ..sharding.tp_layout import TPLayout
@@ -129,6 +131,8 @@ class ShardedShare:
         kept = {p.hf_name for p in plan.params if p.vllm_name in self.fp8} if self.fp8 is not None else set()
         result = share_shards(model, plan, engine, kept=kept)
         self.result = result
+        model_ref = weakref.ref(model)
+        self.state.before_sampling = lambda: reshard_all(model_ref()) if model_ref() is not None else 0
         self.state.shared_bytes = result.shared_bytes
         if result.casts or result.reloads:  # trained parameters vLLM keeps a copy of: refreshed at each sync
             self.state.weight_copies = WeightCopies(casts=result.casts, reloads=result.reloads, load=engine.load,

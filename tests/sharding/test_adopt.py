@@ -333,3 +333,34 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
         assert fp8["back_bitwise"] and fp8["base_after_training"] and fp8["follows_the_adapter"]
     assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
     assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]
+
+
+def test_a_kept_shard_must_be_the_engine_ranks_slice():
+    """fp8-kept projections are written from FSDP2's shards: a shard of another shape, or another shard index than
+    vLLM's tensor-parallel rank, is named (and so refused on every rank with the other mismatches)."""
+    import types
+
+    import torch
+
+    from trl_turbo.sharding.adopt import kept_shard_problem
+    from trl_turbo.sharding.tp_layout import VllmSlice
+
+    def layout(rank):
+        return types.SimpleNamespace(slice=VllmSlice(dim=0, start=8 * rank, stop=8 * rank + 8, offset=0,
+                                                     local_size=8))
+
+    entry = types.SimpleNamespace(layouts=[layout(0), layout(1)])
+
+    def shard(rows, index):
+        shard_placement = types.SimpleNamespace(is_shard=lambda: True)
+        replicate = types.SimpleNamespace(is_shard=lambda: False)
+        return types.SimpleNamespace(shape=(16, 4), to_local=lambda: torch.zeros(rows, 4),
+                                     placements=(replicate, shard_placement),
+                                     device_mesh=types.SimpleNamespace(get_local_rank=lambda dim: index if dim == 1
+                                                                       else 0))
+
+    assert kept_shard_problem("q", shard(8, 1), entry, 1) is None
+    assert "FSDP2's shard (16, 4), vLLM's slice (8, 4)" in kept_shard_problem("q", shard(16, 1), entry, 1)
+    assert "holds shard 0 where vLLM's tensor-parallel rank is 1" in kept_shard_problem("q", shard(8, 0), entry, 1)
+    unplaced = types.SimpleNamespace(layouts=[types.SimpleNamespace(slice=None)] * 2)
+    assert kept_shard_problem("q", shard(16, 0), unplaced, 1) is None  # the sampler's own setup refuses it

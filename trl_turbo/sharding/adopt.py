@@ -101,11 +101,32 @@ def _all_ranks_agree(failures: int, device: torch.device) -> int:
     return int(total.item())
 
 
+def kept_shard_problem(hf_name: str, param: Any, entry: Any, tp_rank: int) -> str | None:
+    """Why FSDP2's shard `param` (a DTensor) of a weight the engine keeps in another form is not vLLM rank `tp_rank`'s
+    slice of it, which its sampler writes from that shard: another shape, or another shard index than the rank's
+    (None: it is; also where the plan places no slice, which the sampler's own setup refuses)."""
+    layout = entry.layouts[tp_rank] if entry is not None and entry.layouts else None
+    slice_ = layout.slice if layout is not None else None
+    if slice_ is None or slice_.dim is None:
+        return None
+    expected = list(param.shape)
+    expected[slice_.dim] = slice_.length
+    local = tuple(param.to_local().shape)
+    if local != tuple(expected):
+        return f"{hf_name}: FSDP2's shard {local}, vLLM's slice {tuple(expected)} on tensor-parallel rank {tp_rank}"
+    shard_dims = [dim for dim, placement in enumerate(param.placements) if placement.is_shard()]
+    index = param.device_mesh.get_local_rank(shard_dims[-1]) if shard_dims else 0
+    if index != tp_rank:
+        return f"{hf_name}: FSDP2 holds shard {index} where vLLM's tensor-parallel rank is {tp_rank}"
+    return None
+
+
 def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
                  kept: Collection[str] = ()) -> ShardedSharing:
     """Load every base weight of the FSDP2-sharded `model` into `engine`, then make FSDP2's shards of the weights
     `plan` shares views of the engine's slices (checked equal on every rank first). `kept`: HF names the engine holds
-    in another form that its sampler writes from FSDP2's shards (fp8 copies): neither loaded nor shared. Collective:
+    in another form that its sampler writes from FSDP2's shards (fp8 copies): neither loaded nor shared, only checked
+to be the engine rank's slices (`kept_shard_problem`). Collective:
     every rank of the world calls it with its own engine rank. Raises LayoutMismatch on every rank when any rank's
     slices differ."""
     from torch.distributed.tensor import DTensor
@@ -123,7 +144,11 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
         local = param.to_local()
         device = local.device
         if hf_name in kept:
-            result.kept.append(hf_name)
+            problem = kept_shard_problem(hf_name, param, planned.get(hf_name), engine.tp_rank)
+            if problem is None:
+                result.kept.append(hf_name)
+            else:
+                mismatches.append(problem)
             continue
         engine.load([(hf_name, param.full_tensor())])  # collective: every rank gathers the same parameter in turn
         entry = planned.get(hf_name)

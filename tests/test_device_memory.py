@@ -202,3 +202,14 @@ def test_released_weights_map_back_one_allocation_at_a_time(fake_cuda, monkeypat
     assert standby.release() == 0 and not allocations[2].mapped and standby.weight_releases == releases + 1
     assert fake_cuda["fraction"] == pytest.approx(24 * GIB / (140 * GIB))
     assert standby.release() == 0 and standby.weight_releases == releases + 1  # nothing mapped: nothing lost
+    # a weight handed over while part of the released weights is mapped back lends only what is unmapped now: the KV
+    # cache, `second` and the new allocation (not the mapped `first`)
+    standby.restore_weights([first])
+    third = tensor_at(3 << 40, 1 * GIB)
+    allocations[4] = _Allocation("weights", 1 * GIB, 3 << 40)
+    monkeypatch.setattr(engine.KVStandby, "_allocations_holding_only", lambda self, tensors: [
+        data for data in (allocations[2], allocations[3], allocations[4])
+        if data.handle[2] in {t.untyped_storage().data_ptr() for t in tensors}])
+    assert standby.release_also([third]) == 1 * GIB and not allocations[4].mapped and allocations[2].mapped
+    assert fake_cuda["fraction"] == pytest.approx(22 * GIB / (140 * GIB))
+    assert standby.restore() == 10 * GIB and fake_cuda["fraction"] == base

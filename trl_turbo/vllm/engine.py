@@ -263,10 +263,10 @@ class KVStandby:
             _unmap(new)
             self._unmapped.update(id(data) for data in new)
             self.weight_releases += 1
-            recall_unmapped(self._loan[0])
-            self._loan[0] = lend_unmapped(self.bytes + added)
         self._weight_allocations += new
         self.bytes += added
+        if new and self.released and not self._weights_mapped:
+            self._lend()  # the new allocations were unmapped above
         return added
 
     def _kv_allocations(self) -> list[Any]:
@@ -299,8 +299,7 @@ class KVStandby:
                 self.weight_releases += 1
                 self._unmapped = {id(data) for data in self._weight_allocations}
                 self._weights_mapped = False
-                recall_unmapped(self._loan[0])
-                self._loan[0] = lend_unmapped(self.bytes)
+                self._lend()
             return 0
         self._llm.reset_prefix_cache()
         torch.cuda.synchronize()
@@ -311,9 +310,9 @@ class KVStandby:
         released = self._kv_allocations() + mapped_weights
         _unmap(released)
         self._unmapped = {id(data) for data in self._weight_allocations}
-        self._loan[0] = lend_unmapped(sum(data.handle[1] for data in released))  # under a per-process cap only
         self._weights_mapped = False
         self.released = True
+        self._lend()
         return self.bytes
 
     def restore_weights(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
@@ -328,9 +327,9 @@ class KVStandby:
             pending = [data for data in pending if _may_hold(data, pointers)]
         if not pending:
             return
-        recall_unmapped(self._loan[0])  # the KV cache (and what is still unmapped) stays lent
+        self._recall()
         self._map(pending)
-        self._loan[0] = lend_unmapped(self.kv_bytes + self._unmapped_bytes())
+        self._lend()  # the KV cache and what is still unmapped
 
     def _map(self, allocations: Iterable[Any]) -> None:
         from vllm.device_allocator.cumem import create_and_map
@@ -344,14 +343,25 @@ class KVStandby:
     def _unmapped_bytes(self) -> int:
         return sum(data.handle[1] for data in self._weight_allocations if id(data) in self._unmapped)
 
+    def _recall(self) -> None:
+        """Before mapping lent memory back: the per-process cap as it was before the loan."""
+        recall_unmapped(self._loan[0])
+        self._loan[0] = None
+
+    def _lend(self) -> None:
+        """Under a per-process cap, let torch allocate what is unmapped now: the KV cache while released and the
+        weight allocations unmapped with it (the one place the loan is computed)."""
+        recall_unmapped(self._loan[0])
+        unmapped = (self.kv_bytes if self.released else 0) + self._unmapped_bytes()
+        self._loan[0] = lend_unmapped(unmapped)
+
     def restore(self) -> int:
         """Map the KV cache (and the weight allocations released with it) back at their addresses and reinitialise
         what lives in the KV cache; returns the bytes mapped."""
 
         if not self.released:
             return 0
-        recall_unmapped(self._loan[0])
-        self._loan[0] = None
+        self._recall()
         self._allocator.wake_up(tags=["kv_cache"])
         self._map([data for data in self._weight_allocations if id(data) in self._unmapped])
         self._weights_mapped = True

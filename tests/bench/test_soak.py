@@ -116,3 +116,29 @@ def test_soak_rows_plot_against_the_step(tmp_path):
                          panels=[("host_rss_gib", "host RSS")], x=("step", "step"))
     assert json.loads(path.read_text())["rows"][0]["step"] == 1
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_launched_soak_is_flat_only_when_every_rank_is():
+    leaking = flat_trace()
+    for row in leaking:
+        row["device_used"] += row["step"] * 2 * MIB
+    verdict = soak.verdicts([flat_trace(), leaking])
+    assert not verdict["flat"] and len(verdict["ranks"]) == 2
+    assert verdict["ranks"][0]["flatness"]["flat"] and not verdict["ranks"][1]["flatness"]["flat"]
+    assert soak.verdicts([flat_trace(), flat_trace()])["flat"]
+    assert set(verdict["ranks"][1]) == {"flatness", "step_time_trend"}
+
+
+def test_a_launched_soak_refuses_what_cannot_run(monkeypatch):
+    import argparse
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = dict(steps=200, completion_len=128, launch="1gpu", processes=2, vllm_tp=2, out="unused")
+    with pytest.raises(SystemExit, match="add --launch fsdp2"):
+        soak.run(argparse.Namespace(**args))
+    with pytest.raises(SystemExit, match="must divide --processes 3"):
+        soak.run(argparse.Namespace(**{**args, "launch": "fsdp2", "processes": 3}))
+    with pytest.raises(SystemExit, match="unknown launch"):
+        soak.run(argparse.Namespace(**{**args, "launch": "nope"}))

@@ -54,7 +54,7 @@ from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from . import decode_profile, parse_turbo_overrides, peers
-from .gpu_children import free_port, visible_devices
+from .gpu_children import SINGLE_GPU, free_port, launch_command, visible_devices
 from .hardware import measure as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
 from .peers import PEER_VARIANTS
@@ -486,21 +486,6 @@ def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------ driver
-SINGLE_GPU = "1gpu"
-
-
-def launch_command(launch: str, processes: int) -> list[str]:
-    """The command that starts one variant's child: plain Python on one GPU, else `accelerate launch` with TRL's
-    shipped accelerate config named `launch`."""
-    if launch == SINGLE_GPU:
-        return [sys.executable, "-m", "trl_turbo.bench.e2e"]
-    import trl
-
-    config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
-    if not config.exists():
-        raise SystemExit(f"unknown launch {launch!r}: TRL ships no accelerate config {config.name}")
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-            str(processes), "--main_process_port", str(free_port()), "-m", "trl_turbo.bench.e2e"]
 
 
 def side_by_side_devices(processes: list[int], devices: list[str]) -> list[list[str]]:

@@ -28,6 +28,22 @@ from typing import Any
 
 from ..testing.multi_gpu import fresh_rendezvous_env
 
+SINGLE_GPU = "1gpu"
+
+
+def launch_command(launch: str, processes: int, module: str = "trl_turbo.bench.e2e") -> list[str]:
+    """The command that starts a benchmark's child `module`: plain Python on one GPU, else `accelerate launch` with
+    TRL's shipped accelerate config named `launch` over `processes` GPUs."""
+    if launch == SINGLE_GPU:
+        return [sys.executable, "-m", module]
+    import trl
+
+    config = Path(trl.__file__).parent / "accelerate_configs" / f"{launch}.yaml"
+    if not config.exists():
+        raise SystemExit(f"unknown launch {launch!r}: TRL ships no accelerate config {config.name}")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+            str(processes), "--main_process_port", str(free_port()), "-m", module]
+
 # A child stops training this long before its time limit, to evaluate and save what it has.
 STOP_MARGIN_S = 45.0
 

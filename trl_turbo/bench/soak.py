@@ -15,7 +15,10 @@ asserts.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..host_memory import process_rss_bytes
+from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
+from .gpu_children import SINGLE_GPU, launch_command
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 
 MIB = 2**20
@@ -160,14 +165,30 @@ SOAK_MODEL = {"hidden_size": 1024, "layers": 8, "head_dim": 64, "num_attention_h
               "intermediate_size": 2816}
 
 
-def build_soak_trainer(path: Path, steps: int, completion_len: int) -> Any:
-    """The trainer of the soak: `SOAK_MODEL`, every feature on (see the module docstring)."""
+def build_soak_trainer(path: Path, steps: int, completion_len: int, vllm_tp: int = 1) -> Any:
+    """The trainer of the soak: `SOAK_MODEL`, every feature on (see the module docstring); `vllm_tp` > 1 under FSDP2:
+    each rank's shards shared with its tensor-parallel engine rank."""
     from ..testing import vllm_checks
 
     return vllm_checks.build_trainer(
         "llama", path, steps=steps, completion_cap=completion_len, model_shape=SOAK_MODEL,
         gradient_checkpointing=True, turbo_memory_plan="min", turbo_tiled_mlp_tokens=256,
-        turbo_forward_token_budget=1024, logging_steps=1)
+        turbo_forward_token_budget=1024, logging_steps=1,
+        **({"vllm_tensor_parallel_size": vllm_tp} if vllm_tp > 1 else {}))
+
+
+def verdicts(traces: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each rank's `flatness` and `step_time_trend`; flat only when every rank is."""
+    per_rank = [{"flatness": flatness(trace), "step_time_trend": step_time_trend(trace)} for trace in traces]
+    return {"flat": all(rank["flatness"]["flat"] for rank in per_rank), "ranks": per_rank}
+
+
+def report_rank(label: str, verdict: dict[str, Any]) -> None:
+    for name, item in verdict["flatness"]["checks"].items():
+        print(f"{label}{name}: {item['value']:.4g} (bound {item['bound']:.4g}) {'ok' if item['ok'] else 'EXCEEDED'}")
+    for name, item in verdict["step_time_trend"].items():
+        print(f"{label}{name}: mean {item['mean_s']:.4g} s, {item['slope_s_per_100_steps'] * 1000:+.3g} ms per 100 "
+              f"steps ({item['relative_slope_per_100_steps']:+.2%})")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -175,33 +196,63 @@ def run(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench soak needs a CUDA device and vLLM (it runs the colocated engine)")
+    if args.launch == SINGLE_GPU and args.vllm_tp > 1:
+        raise SystemExit("--vllm-tp > 1 shares FSDP2's shards with the engine: add --launch fsdp2")
+    if args.launch != SINGLE_GPU and args.processes % args.vllm_tp:
+        raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {args.processes}")
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_soak_trainer(Path(tmp), args.steps, args.completion_len)
-        trace = record_steps(trainer)
-    verdict = flatness(trace)
-    for name, item in verdict["checks"].items():
-        print(f"{name}: {item['value']:.4g} (bound {item['bound']:.4g}) {'ok' if item['ok'] else 'EXCEEDED'}")
+        if args.launch == SINGLE_GPU:
+            traces = [record_steps(build_soak_trainer(Path(tmp), args.steps, args.completion_len))]
+        else:  # each rank writes its trace (`child_main`)
+            command = [*launch_command(args.launch, args.processes, module="trl_turbo.bench.soak"), tmp,
+                       str(args.steps), str(args.completion_len), str(args.vllm_tp)]
+            process = run_launch(command, timeout=None, env=fresh_rendezvous_env(), capture=False)
+            paths = [Path(tmp, f"trace{rank}.json") for rank in range(args.processes)]
+            if process.returncode or not all(path.exists() for path in paths):
+                raise SystemExit(f"the soak's ranks exited with {process.returncode}; "
+                                 f"{sum(path.exists() for path in paths)} of {args.processes} wrote a trace")
+            traces = [json.loads(path.read_text()) for path in paths]
+    verdict = verdicts(traces)
+    for rank, rank_verdict in enumerate(verdict["ranks"]):
+        report_rank(f"rank {rank} " if len(traces) > 1 else "", rank_verdict)
     print("flat" if verdict["flat"] else "NOT flat")
-    trend = step_time_trend(trace)
-    for name, item in trend.items():
-        print(f"{name}: mean {item['mean_s']:.4g} s, {item['slope_s_per_100_steps'] * 1000:+.3g} ms per 100 steps "
-              f"({item['relative_slope_per_100_steps']:+.2%})")
-    rows = [{**row, "variant": "turbo", "ok": True,
+    rows = [{**row, "variant": "turbo" if len(traces) == 1 else f"turbo rank {rank}", "ok": True,
              **{f"{key}_gib": row[key] / GIB for key in ("device_used", "host_rss", "offload_pool")
-                if row.get(key) is not None}} for row in trace]
-    meta = metadata("soak", torch.device("cuda"), {"steps": args.steps, "completion_len": args.completion_len,
-                                                   "model": SOAK_MODEL})
-    meta["verdict"], meta["step_time_trend"] = verdict, trend
-    path = write(meta, rows, "tiny-llama", Path(args.out), series=lambda row: row["variant"],
+                if row.get(key) is not None}} for rank, trace in enumerate(traces) for row in trace]
+    config = {"steps": args.steps, "completion_len": args.completion_len, "model": SOAK_MODEL,
+              "launch": args.launch, "processes": len(traces), "vllm_tp": args.vllm_tp}
+    meta = metadata("soak", torch.device("cuda"), config)
+    meta["verdict"] = verdict["ranks"][0]["flatness"] if len(traces) == 1 else verdict
+    if len(traces) == 1:
+        meta["step_time_trend"] = verdict["ranks"][0]["step_time_trend"]
+    several = "" if len(traces) == 1 else f"-{len(traces)}gpu-{args.launch}"
+    path = write(meta, rows, f"tiny-llama{several}", Path(args.out), series=lambda row: row["variant"],
                  panels=[("device_used_gib", "device used (GiB, driver)"), ("host_rss_gib", "host RSS (GiB)"),
                          ("offload_pool_gib", "pinned offload pool (GiB)"), ("step_s", "step time (s)")],
                  x=("step", "step"))
     print(f"wrote {path}")
 
 
+def child_main(workdir: str, steps: str, completion_len: str, vllm_tp: str) -> None:
+    """A rank of a launched soak: its own copy of the model, its trace saved where the driver reads it."""
+    rank = int(os.environ.get("RANK", 0))
+    trainer = build_soak_trainer(Path(workdir, f"rank{rank}"), int(steps), int(completion_len), int(vllm_tp))
+    Path(workdir, f"trace{rank}.json").write_text(json.dumps(record_steps(trainer)))
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown, where an in-process vLLM engine can hang on exit
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("soak", help="hundreds of GRPO steps with every feature on; is memory flat?")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--completion-len", type=int, default=128)
+    parser.add_argument("--launch", default=SINGLE_GPU,
+                        help="1gpu, or one of TRL's accelerate configs (fsdp2): one trace per rank")
+    parser.add_argument("--processes", type=int, default=2, help="GPUs of a --launch other than 1gpu")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size (under FSDP2)")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)
+
+
+if __name__ == "__main__":
+    child_main(*sys.argv[1:5])

@@ -38,7 +38,7 @@ from . import (
     set_patched,
     synchronize,
 )
-from .e2e import SINGLE_GPU
+from .gpu_children import SINGLE_GPU
 from .results import DEFAULT_RESULTS_DIR, GIB, metadata, write
 from .synthetic import synthetic_inputs
 

@@ -57,7 +57,7 @@ def deterministic_completions(trainer: Any, pad_id: int, eos_id: int, first_toke
     trl_internals.replace_generation(trainer, _generate_single_turn)
 
 
-def run_launch(command: list[str], *, timeout: float, cwd: Any = None, env: dict[str, str] | None = None,
+def run_launch(command: list[str], *, timeout: float | None, cwd: Any = None, env: dict[str, str] | None = None,
                capture: bool = True) -> subprocess.CompletedProcess:
     """Run a multi-process launch (`torch.distributed.run`, `accelerate launch`) to completion, capturing its output
     unless `capture=False`. On timeout the launcher gets SIGTERM first, on which it stops its workers: they run in

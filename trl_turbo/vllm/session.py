@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
-from .. import registry
 from ..config import SamplingMode
 from . import engine as vllm_engine
 from . import trained_weights
 from .engine_plan import EnginePlan, EngineState, engine_facts, fp8_parking, warn_fp8_parking
 from .fp8 import Fp8Sampling
 from .merge import MergedSampling
-from .sharded import PENDING_ATTRIBUTE, ShardedShare
+from .sharded import ShardedShare, await_sharding
 from .sharing import SHARED
 
 _GIB = 2**30
@@ -54,8 +53,8 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         state.shared_bytes = state.weight_copies.shared_bytes
     elif sharing is not None:
         if plan.sharded:  # FSDP2 has not sharded the model yet: the share waits on it (`sharded.ShardedShare`)
-            share = ShardedShare.of_engine(llm, plan.tp_size, state, merged=sampling is SamplingMode.MERGED)
-            registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
+            await_sharding(model, ShardedShare.of_engine(llm, plan.tp_size, state,
+                                                         merged=sampling is SamplingMode.MERGED))
         elif sharing.mode == SHARED:
             state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device)
         else:
@@ -79,8 +78,7 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         warn_fp8_parking(problem)
         plan = dataclasses.replace(plan, fp8_parks_base=parks, fp8_park_problem=problem)
         if plan.sharded:
-            share = ShardedShare.of_engine(llm, plan.tp_size, state, fp8=fp8, park_fp8_base=parks)
-            registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
+            await_sharding(model, ShardedShare.of_engine(llm, plan.tp_size, state, fp8=fp8, park_fp8_base=parks))
         else:
             state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
                                     park_base=parks)

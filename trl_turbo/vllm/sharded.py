@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import registry
 from ..sharding.adopt import ShardedSharing, ShardEngine, share_shards
 from ..sharding.fsdp_modules import reshard_all
 from ..sharding.mesh_shape import device_mesh, hsdp_mesh
@@ -189,6 +190,12 @@ def _warn_own_copies(result: ShardedSharing) -> None:
                   f"({sum(copies.values()) / 2**30:.2f} GiB per GPU): {named}. Their tensor-parallel layout is not "
                   "FSDP2's (a padded vocabulary, KV heads fewer than the TP size, a dimension it does not divide).",
                   RuntimeWarning, stacklevel=2)
+
+
+def await_sharding(model: Any, share: ShardedShare) -> None:
+    """Leave `share` on `model` until FSDP2's preparation completes it (through the registry: `trl_turbo.unpatch()`
+    takes it off)."""
+    registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
 
 
 def pending_share(model: Any) -> ShardedShare | None:

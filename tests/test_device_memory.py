@@ -126,12 +126,12 @@ def _fake_cumem_engine(monkeypatch, fake_cuda, allocations):
 
 
 def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monkeypatch):
-    from trl_turbo.vllm import engine
+    from trl_turbo.vllm import standby as standby_module
 
     allocations = {1: _Allocation("kv_cache", 4 * GIB), 2: _Allocation("weights", 3 * GIB)}
     llm = _fake_cumem_engine(monkeypatch, fake_cuda, allocations)
     base = fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
-    standby = engine.KVStandby(llm)
+    standby = standby_module.KVStandby(llm)
     assert standby.release() == 4 * GIB and not allocations[1].mapped and allocations[2].mapped
     assert fake_cuda["fraction"] == pytest.approx(19 * GIB / (140 * GIB))  # training may use what the KV held
     assert standby.restore() == 4 * GIB and allocations[1].mapped
@@ -145,7 +145,8 @@ def test_standby_lends_its_unmapped_kv_cache_to_a_capped_process(fake_cuda, monk
     def holding_only(self, tensors):
         return [a for t in tensors for a in holding.get(t.untyped_storage().data_ptr(), [])]
 
-    monkeypatch.setattr(engine.KVStandby, "_allocations_holding_only", holding_only)  # the instance stays collectable
+    # patched on the class: the instance stays collectable
+    monkeypatch.setattr(standby_module.KVStandby, "_allocations_holding_only", holding_only)
     assert standby.release_also([copy]) == 3 * GIB and standby.bytes == 7 * GIB
     assert fake_cuda["fraction"] == pytest.approx(22 * GIB / (140 * GIB)) and not allocations[2].mapped
     assert standby.release_also([copy]) == 0  # known already
@@ -170,7 +171,7 @@ def test_released_weights_map_back_one_allocation_at_a_time(fake_cuda, monkeypat
     only the allocation holding the tensor it names is mapped, and only what is still unmapped stays lent."""
     import types
 
-    from trl_turbo.vllm import engine
+    from trl_turbo.vllm import standby as standby_module
 
     def tensor_at(address, nbytes):  # a tensor whose storage starts at `address` of the device's address space
         storage = types.SimpleNamespace(data_ptr=lambda: address, nbytes=lambda: nbytes)
@@ -180,11 +181,11 @@ def test_released_weights_map_back_one_allocation_at_a_time(fake_cuda, monkeypat
     allocations = {1: _Allocation("kv_cache", 4 * GIB), 2: _Allocation("weights", 3 * GIB, 1 << 40),
                    3: _Allocation("weights", 2 * GIB, 2 << 40)}
     llm = _fake_cumem_engine(monkeypatch, fake_cuda, allocations)
-    monkeypatch.setattr(engine.KVStandby, "_allocations_holding_only", lambda self, tensors: [
+    monkeypatch.setattr(standby_module.KVStandby, "_allocations_holding_only", lambda self, tensors: [
         data for data in (allocations[2], allocations[3])
         if data.handle[2] in {t.untyped_storage().data_ptr() for t in tensors}])
     base = fake_cuda["fraction"] = 15 * GIB / (140 * GIB)
-    standby = engine.KVStandby(llm, also_release=[first, second])
+    standby = standby_module.KVStandby(llm, also_release=[first, second])
     assert standby.release() == 9 * GIB and not any(data.mapped for data in allocations.values())
     standby.restore_weights([first])
     assert allocations[2].mapped and not allocations[3].mapped and not allocations[1].mapped
@@ -207,7 +208,7 @@ def test_released_weights_map_back_one_allocation_at_a_time(fake_cuda, monkeypat
     standby.restore_weights([first])
     third = tensor_at(3 << 40, 1 * GIB)
     allocations[4] = _Allocation("weights", 1 * GIB, 3 << 40)
-    monkeypatch.setattr(engine.KVStandby, "_allocations_holding_only", lambda self, tensors: [
+    monkeypatch.setattr(standby_module.KVStandby, "_allocations_holding_only", lambda self, tensors: [
         data for data in (allocations[2], allocations[3], allocations[4])
         if data.handle[2] in {t.untyped_storage().data_ptr() for t in tensors}])
     assert standby.release_also([third]) == 1 * GIB and not allocations[4].mapped and allocations[2].mapped

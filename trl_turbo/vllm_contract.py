@@ -1,5 +1,5 @@
-"""What trl_turbo's engine code (`vllm/engine.py`, `vllm/engine_plan.py`) requires of vLLM, checked on vLLM's source,
-and whether the installed vLLM may run the engine features.
+"""What trl_turbo's engine code (`vllm/engine.py`, `vllm/standby.py`, `vllm/engine_plan.py`) requires of vLLM,
+checked on vLLM's source, and whether the installed vLLM may run the engine features.
 
 Design decision: a version trl_turbo cannot run on the GPU is judged by reading its source, never by importing it:
 each requirement names a file of the `vllm` package, a class or function in it, the parameters trl_turbo passes, and

@@ -28,6 +28,7 @@ from .fp8 import Fp8Sampling
 from .merge import MergedSampling
 from .sharded import ShardedShare, await_sharding
 from .sharing import SHARED
+from .standby import KVStandby
 
 _GIB = 2**30
 
@@ -65,7 +66,7 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         elif sampling is SamplingMode.LORA:
             state.adapters = vllm_engine.TensorAdapters(llm)
     if plan.standby:
-        state.standby = vllm_engine.KVStandby(llm, also_release=fp8_rows)
+        state.standby = KVStandby(llm, also_release=fp8_rows)
         trained_weights.release_with_kv(state.weight_copies, state.standby)  # sharded: once FSDP2 has sharded
         state.standby.release()
     if sampling is SamplingMode.FP8:

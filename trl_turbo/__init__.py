@@ -8,13 +8,13 @@ Layout, imports pointing down only: `kernels/` (Triton kernels and launchers; to
 `vllm/`, reading the one table of model families, `families`) -> `patches/` (seams) -> the package and CLI entry
 points. `config` declares the `turbo_*` fields; `registry`, `versions` and `vllm_contract` (what the engine code
 needs of vLLM, checked on its sources) are the shared utilities below them all.
-Host libraries' internals are patched and reached only in `patches/` and `vllm/engine.py` (vLLM's worker, LoRA
-manager, allocator and 4-bit loader), and, scoped to one call, by the `trl-turbo` command's launcher and the test and
-bench harnesses; `grpo/loss_step.py` is the body of GRPOTrainer's `_compute_loss` and reads the trainer as that method
-does. Every patch goes through `registry` (`registry.active_patches()` lists them): the host classes' at `patch()`, a
-model's (module forwards, checkpoint functions, its checkpointing runtime) when a trainer configures it (`unpatch()`
-restores these), and scoped ones that last for a block (a dequantize-once scope's forwards) and come back however it
-ends.
+Host libraries' internals are patched and reached only in `patches/`, `vllm/engine.py` (vLLM's worker, LoRA manager and
+4-bit loader) and `vllm/standby.py` (its allocator), and, scoped to one call, by the `trl-turbo` command's launcher and
+the test and bench harnesses; `grpo/loss_step.py` is the body of GRPOTrainer's `_compute_loss` and reads the trainer as
+that method does. Every patch goes through `registry` (`registry.active_patches()` lists them): the host classes' at
+`patch()`, a model's (module forwards, checkpoint functions, its checkpointing runtime) when a trainer configures it
+(`unpatch()` restores these), and scoped ones that last for a block (a dequantize-once scope's forwards) and come back
+however it ends.
 """
 
 from __future__ import annotations

@@ -318,10 +318,10 @@ def test_e2e_child_failure_becomes_a_row(tmp_path):
             "generations": 2, "prompts": 1, "micro_batch": 2, "prompt_len": 4, "completion_len": 4, "steps": 1,
             "warmup": 0, "seed": 0,
             "quantization": "none", "launch": e2e.SINGLE_GPU, "processes": 1}
-    row = e2e._run_child(spec, timeout_s=300)
+    row = e2e.run_child(spec, timeout_s=300)
     assert row["variant"] == "stock" and row["ok"] is False and row["error"]
     assert "timed out" not in row["error"], row["error"]  # failed fast, for its own reason
-    stopped = e2e._run_child(spec, timeout_s=0.5)  # the child is still importing: stopped, and the row says so
+    stopped = e2e.run_child(spec, timeout_s=0.5)  # the child is still importing: stopped, and the row says so
     assert stopped["ok"] is False and stopped["error"].startswith("timed out"), stopped["error"]
 
 
@@ -343,7 +343,7 @@ def test_e2e_side_by_side_gives_each_variant_gpus_and_a_port_of_its_own(tmp_path
     monkeypatch.setattr(e2e, "run_launch", launch)
     spec = {"variant": "turbo", "launch": e2e.SINGLE_GPU, "processes": 1}
     for devices in (["4", "5"], ["6", "7"]):
-        assert e2e._run_child(spec, timeout_s=1, devices=devices)["ok"] is False
+        assert e2e.run_child(spec, timeout_s=1, devices=devices)["ok"] is False
     assert [env["CUDA_VISIBLE_DEVICES"] for env in seen] == ["4,5", "6,7"]
     assert seen[0]["MASTER_PORT"] != seen[1]["MASTER_PORT"]
     assert seen[0]["UNSLOTH_COMPILE_LOCATION"] != seen[1]["UNSLOTH_COMPILE_LOCATION"]

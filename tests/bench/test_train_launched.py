@@ -77,6 +77,7 @@ def test_launched_specs_are_one_micro_batch_per_gpu_without_an_engine(tmp_path):
 
 
 def test_launched_train_refuses_what_it_does_not_measure(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="runs on GPUs"):
         train_launched.run(_args(), [8192], ["stock"], {"stock": {}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -345,16 +345,16 @@ def test_a_kept_shard_must_be_the_engine_ranks_slice():
     from trl_turbo.sharding.adopt import kept_shard_problem
     from trl_turbo.sharding.tp_layout import VllmSlice
 
-    def layout(rank):
+    def layout(rank, obstacle=None):
         return types.SimpleNamespace(slice=VllmSlice(dim=0, start=8 * rank, stop=8 * rank + 8, offset=0,
-                                                     local_size=8))
+                                                     local_size=8), obstacle=obstacle)
 
     entry = types.SimpleNamespace(layouts=[layout(0), layout(1)])
 
-    def shard(rows, index):
-        shard_placement = types.SimpleNamespace(is_shard=lambda: True)
+    def shard(rows, index, dim=0, cols=4):
+        shard_placement = types.SimpleNamespace(is_shard=lambda: True, dim=dim)
         replicate = types.SimpleNamespace(is_shard=lambda: False)
-        return types.SimpleNamespace(shape=(16, 4), to_local=lambda: torch.zeros(rows, 4),
+        return types.SimpleNamespace(shape=(16, cols), to_local=lambda: torch.zeros(rows, cols),
                                      placements=(replicate, shard_placement),
                                      device_mesh=types.SimpleNamespace(get_local_rank=lambda dim: index if dim == 1
                                                                        else 0))
@@ -362,5 +362,12 @@ def test_a_kept_shard_must_be_the_engine_ranks_slice():
     assert kept_shard_problem("q", shard(8, 1), entry, 1) is None
     assert "FSDP2's shard (16, 4), vLLM's slice (8, 4)" in kept_shard_problem("q", shard(16, 1), entry, 1)
     assert "holds shard 0 where vLLM's tensor-parallel rank is 1" in kept_shard_problem("q", shard(8, 0), entry, 1)
+    # a square weight sharded along the other dim has the slice's shape all the same
+    square = types.SimpleNamespace(shape=(16, 16), to_local=lambda: torch.zeros(8, 16), placements=(
+        types.SimpleNamespace(is_shard=lambda: True, dim=1),), device_mesh=types.SimpleNamespace(
+        get_local_rank=lambda dim: 1))
+    assert "FSDP2 shards dim 1, vLLM's slice is along dim 0" in kept_shard_problem("o", square, entry, 1)
+    blocked = types.SimpleNamespace(layouts=[layout(0), layout(1, obstacle="padded")])
+    assert "(padded)" in kept_shard_problem("q", shard(8, 1), blocked, 1)
     unplaced = types.SimpleNamespace(layouts=[types.SimpleNamespace(slice=None)] * 2)
     assert kept_shard_problem("q", shard(16, 0), unplaced, 1) is None  # the sampler's own setup refuses it

@@ -416,9 +416,10 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
                 except Exception as exc:  # a probe that fails loses only itself
                     traceback.print_exc()
                     row["probe_error"] = f"{type(exc).__name__}: {exc}"
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as exc:
             traceback.print_exc()
             row["error"] = "OOM"
+            row["oom_message"] = str(exc)[:1000]  # how much was asked, held and cached when it failed
         except Exception as exc:  # recorded, so the other variant still runs and the file is written
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -515,7 +516,7 @@ def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _run_child(spec: dict[str, Any], timeout_s: float, devices: list[str] | None = None) -> dict[str, Any]:
+def run_child(spec: dict[str, Any], timeout_s: float, devices: list[str] | None = None) -> dict[str, Any]:
     """Run one variant's child to completion and return its (rank-merged) row; `devices`: the GPUs it may see (all of
     this process's when None)."""
     processes = spec["processes"]
@@ -626,7 +627,7 @@ def run(args: argparse.Namespace) -> Path:
                 "device_used_before": total - free,
                 "unsloth_site": args.unsloth_site, **config}
         try:
-            row = _run_child(spec, args.variant_timeout, placements[index])
+            row = run_child(spec, args.variant_timeout, placements[index])
         except Exception as exc:  # the other variants, running beside it, go on
             row = {"variant": variant, "launch": launch, "ok": False, "error": repr(exc)}
         row["roofline"] = row_roofline(row, config, hardware)

@@ -7,7 +7,8 @@ device at once misread each other's allocations, and vLLM asserts), and the GPUs
 rendezvous port of its own (TRL's colocated engine opens a process group on ``MASTER_PORT``, the same default in every
 child). A child has a deadline (wall-clock time) to stop by and saves its row as it goes (`save_row`, atomically), so
 a job stopped at its time limit keeps what it measured; the driver then kills the child's whole process group. A job
-that fails gives a row saying so; the others go on.
+that fails gives a row saying so; the others go on. `launch_command` starts any benchmark's child: plain Python on one
+GPU, or `accelerate launch` with one of TRL's shipped configs.
 """
 
 from __future__ import annotations

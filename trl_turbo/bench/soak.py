@@ -7,7 +7,9 @@ memory plan), tiled MLP, sequence groups, the fused loss and TRL's truncated imp
 callback samples at each step end torch's allocated and reserved device bytes, the driver's used bytes, the process's
 resident host memory, torch's pinned-host allocator and the step's wall time; the offload pool's size and the step's
 generation seconds (merge and restore included; each also on its own) come from the step's own metrics, so a
-slowdown can be placed (`step_time_trend`). The verdict (`flatness`) is a pure function of that trace with its bounds
+slowdown can be placed (`step_time_trend`). Under a launch (``--launch fsdp2 --processes N --vllm-tp T``) each rank
+runs the same trainer, its FSDP2 shards shared with its tensor-parallel engine rank, and records its own trace; the
+run is flat only when every rank is. The verdict (`flatness`) is a pure function of that trace with its bounds
 stated in `FLATNESS_BOUNDS`, so it is tested on synthetic traces; the benchmark measures and reports it, it never
 asserts.
 """
@@ -184,6 +186,7 @@ def verdicts(traces: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def report_rank(label: str, verdict: dict[str, Any]) -> None:
+    """Print one rank's checks against their bounds and its step-time trend, each line led by `label`."""
     for name, item in verdict["flatness"]["checks"].items():
         print(f"{label}{name}: {item['value']:.4g} (bound {item['bound']:.4g}) {'ok' if item['ok'] else 'EXCEEDED'}")
     for name, item in verdict["step_time_trend"].items():

@@ -7,7 +7,8 @@ trl_turbo changes. The model (random init, real shape, bf16, LoRA r=16 on all li
 checkpointing) is built once, directly on the device; a fresh ``GRPOTrainer`` is built for every (variant, length)
 so TRL's init-time model patching (the fused LM head) runs under the patch state being measured. With ``--tis``, the
 vLLM importance-sampling correction is simulated: stock TRL then needs a no-grad forward for ``old_per_token_logps``
-at generation time, which is counted in the step here, because trl_turbo may skip it.
+at generation time, which is counted in the step here, because trl_turbo may skip it. Under a launch of several
+GPUs (``--launch fsdp2``) whole steps run instead, through `train_launched`.
 """
 
 from __future__ import annotations

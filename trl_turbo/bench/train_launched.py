@@ -19,6 +19,7 @@ from typing import Any
 
 from ..planning.shapes import SHAPES
 from . import e2e
+from .gpu_children import launch_command
 from .results import metadata, write
 
 
@@ -45,9 +46,10 @@ def run(args: argparse.Namespace, lengths: list[int], variants: list[str],
         raise SystemExit("bench train --launch runs on GPUs: this machine shows none")
     if args.quantization != "none" or args.tis:
         raise SystemExit("bench train --launch measures bf16 LoRA without TIS: leave out --quantization and --tis")
-    e2e.launch_command(args.launch, args.processes)  # an unknown launch fails before anything runs
+    launch_command(args.launch, args.processes)  # an unknown launch fails before anything runs
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}")
     e2e.prepare_checkpoint(args.shape, checkpoint, 0, "cuda")
+    torch.cuda.empty_cache()  # the model written from this process: its memory back to the children's GPUs
     device = torch.device("cuda", 0)
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "launch": args.launch,
               "processes": args.processes, "micro_batch_per_gpu": args.micro_batch, "prompt_len": args.prompt_len,
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace, lengths: list[int], variants: list[str],
         for spec in specs(args, lengths, variants, configs, checkpoint, output_dir):
             if any(r["variant"] == spec["variant"] and not r.get("ok") for r in rows):
                 continue  # a longer completion of a variant that already failed would fail too
-            row = e2e._run_child(spec, args.variant_timeout)
+            row = e2e.run_child(spec, args.variant_timeout)
             row["completion_len"] = spec["completion_len"]
             rows.append(row)
             print(format_row(row), flush=True)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..device_memory import device_budget, kept_free_bytes
-from ..sharding.dtensor import local_of
+from ..sharding.dtensor import local_of, shard_group_size
 from .lean_activations import lean_saved_tensors
 
 _GIB = 2**30
@@ -290,6 +290,7 @@ class MemoryPlanner:
     current: LayerPlan | None = None
     step_plans: list[LayerPlan] = field(default_factory=list)
     warned: bool = False
+    sharded_reserve: int | None = None  # `_sharded_reserve`, once the model is sharded
 
     def _budget(self, device: torch.device) -> tuple[int, int, int] | None:
         """(free bytes the layers may count on, bytes allocated, margin to keep), or None: no device to plan for.
@@ -306,12 +307,16 @@ class MemoryPlanner:
         return free, allocated, margin
 
     def _sharded_reserve(self) -> int:
-        """`sharded_reserve_bytes` when FSDP2 shards the model (some parameter is a DTensor, whose size is the whole
-        tensor's), else 0."""
-        parameters = list(self.parameters())
-        if all(local_of(p) is p for p in parameters):
-            return 0
-        return sharded_reserve_bytes(sum(p.numel() * p.element_size() for p in parameters), self.layer_count)
+        """`sharded_reserve_bytes` when FSDP2 shards the model over more than one rank (a DTensor parameter whose
+        shard group is larger than one: then layers are gathered), else 0; worked out once the model is sharded."""
+        if self.sharded_reserve is None:
+            parameters = list(self.parameters())
+            groups = [shard_group_size(p) for p in parameters]
+            if not any(groups):  # not sharded (yet: the planner may be built before FSDP2 wraps the model)
+                return 0
+            whole = sum(p.numel() * p.element_size() for p in parameters)  # a DTensor's numel is the whole tensor's
+            self.sharded_reserve = sharded_reserve_bytes(whole, self.layer_count) if max(groups) > 1 else 0
+        return self.sharded_reserve
 
     def run_first_layer(self, function: Callable, args: tuple[Any, ...], frugal: Callable[..., Any]) -> Any:
         """Run the first layer, plan the other layers of this forward. The first layer keeps its activations while

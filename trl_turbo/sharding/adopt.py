@@ -109,12 +109,17 @@ def kept_shard_problem(hf_name: str, param: Any, entry: Any, tp_rank: int) -> st
     slice_ = layout.slice if layout is not None else None
     if slice_ is None or slice_.dim is None:
         return None
+    if layout.obstacle is not None:
+        return f"{hf_name}: FSDP2's shard is not vLLM's slice on tensor-parallel rank {tp_rank} ({layout.obstacle})"
     expected = list(param.shape)
     expected[slice_.dim] = slice_.length
     local = tuple(param.to_local().shape)
     if local != tuple(expected):
         return f"{hf_name}: FSDP2's shard {local}, vLLM's slice {tuple(expected)} on tensor-parallel rank {tp_rank}"
     shard_dims = [dim for dim, placement in enumerate(param.placements) if placement.is_shard()]
+    if shard_dims and getattr(param.placements[shard_dims[-1]], "dim", slice_.dim) != slice_.dim:
+        return (f"{hf_name}: FSDP2 shards dim {param.placements[shard_dims[-1]].dim}, vLLM's slice is along dim "
+                f"{slice_.dim}")
     index = param.device_mesh.get_local_rank(shard_dims[-1]) if shard_dims else 0
     if index != tp_rank:
         return f"{hf_name}: FSDP2 holds shard {index} where vLLM's tensor-parallel rank is {tp_rank}"
@@ -126,7 +131,7 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
     """Load every base weight of the FSDP2-sharded `model` into `engine`, then make FSDP2's shards of the weights
     `plan` shares views of the engine's slices (checked equal on every rank first). `kept`: HF names the engine holds
     in another form that its sampler writes from FSDP2's shards (fp8 copies): neither loaded nor shared, only checked
-to be the engine rank's slices (`kept_shard_problem`). Collective:
+    to be the engine rank's slices (`kept_shard_problem`). Collective:
     every rank of the world calls it with its own engine rank. Raises LayoutMismatch on every rank when any rank's
     slices differ."""
     from torch.distributed.tensor import DTensor

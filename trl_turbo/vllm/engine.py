@@ -1,4 +1,4 @@
-"""The only code that reaches into a live in-process `vllm.LLM` (vLLM 0.24-0.31, `versions.VLLM_ENGINE`; what it relies
+"""The code that reaches into a live in-process `vllm.LLM` (vLLM 0.24-0.31, `versions.VLLM_ENGINE`; what it relies
 on is listed per API generation, for checking each version's sources, in `trl_turbo.vllm_contract`; what differs between
 generations sits in the `VllmApi` adapters below).
 
@@ -17,7 +17,7 @@ The mechanisms, each on vLLM's own objects rather than re-implemented:
   states, and it runs while the engine is built (its profiling run needs them). For that call only, the loader's
   `_get_quantized_weights_iterator` yields the training model's packed bytes and states instead of quantizing a
   checkpoint (`feeding_4bit_weights`); vLLM's own code stacks the shards and binds the states.
-- KV standby: `vllm.standby`.
+- KV standby: `vllm/standby.py`, through this module's `VllmApi` adapters.
 """
 
 from __future__ import annotations

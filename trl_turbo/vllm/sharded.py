@@ -133,7 +133,13 @@ class ShardedShare:
         result = share_shards(model, plan, engine, kept=kept)
         self.result = result
         model_ref = weakref.ref(model)
-        self.state.before_sampling = lambda: reshard_all(model_ref()) if model_ref() is not None else 0
+
+        def reshard_before_sampling() -> None:
+            live = model_ref()
+            if live is not None:
+                reshard_all(live)
+
+        self.state.before_sampling = reshard_before_sampling
         self.state.shared_bytes = result.shared_bytes
         if result.casts or result.reloads:  # trained parameters vLLM keeps a copy of: refreshed at each sync
             self.state.weight_copies = WeightCopies(casts=result.casts, reloads=result.reloads, load=engine.load,

@@ -15,8 +15,6 @@ budget keeps every layer, a tight one offloads them all, both bitwise, each rese
 
 from __future__ import annotations
 
-import json
-import sys
 import textwrap
 
 import pytest
@@ -24,7 +22,7 @@ from packaging.version import Version
 
 from trl_turbo import versions
 from trl_turbo.offload.memory_plan import SHARDED_RESERVE_LAYERS
-from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
+from trl_turbo.testing.multi_gpu import per_rank_reports
 
 SCRIPT = textwrap.dedent(
     """
@@ -129,14 +127,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(Version(versions.installed_version("transformers")) < Version("5.23"),
                     reason="transformers before 5.23 checkpoints a layer's __call__, with FSDP2's hooks inside")
 def test_checkpoint_function_and_tiled_mlp_inside_fsdp2_layers(tmp_path):
-    script = tmp_path / "fsdp2_checkpoint.py"
-    script.write_text(SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(tmp_path / "report.json")]
-    result = run_launch(command, cwd=tmp_path, timeout=600, env=fresh_rendezvous_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    for rank in range(2):
-        report = json.loads((tmp_path / f"report.json.{rank}").read_text())
+    for report in per_rank_reports(SCRIPT, tmp_path):
         assert report["trainable"] == 3 * 7 * 2  # LoRA A and B on 7 projections of 3 layers
         for variant in ("turbo", "tiled", "planned-roomy", "planned-tight"):
             assert report[f"{variant}_missing"] == []

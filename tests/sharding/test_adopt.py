@@ -13,11 +13,9 @@ a sync reloads the norms it lays out itself.
 
 from __future__ import annotations
 
-import json
-import sys
 import textwrap
 
-from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
+from trl_turbo.testing.multi_gpu import per_rank_reports
 
 SCRIPT = textwrap.dedent(
     """
@@ -292,14 +290,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_fsdp2_shards_become_the_engine_slices(tmp_path):
-    script = tmp_path / "adopt.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "report.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(out)]
-    result = run_launch(command, cwd=tmp_path, timeout=600, env=fresh_rendezvous_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    reports = [json.loads((tmp_path / f"report.json.{rank}").read_text()) for rank in range(2)]
+    reports = per_rank_reports(SCRIPT, tmp_path)
     for report in reports:
         # 2 layers x 7 projections + embeddings + LM head shared (vocabulary 128 splits evenly); norms are whole
         assert report["adopted"] == report["shared"] == 16

@@ -3,12 +3,10 @@ that left them gathered (`reshard_after_forward=False`, and the root, which FSDP
 
 from __future__ import annotations
 
-import json
-import sys
 import textwrap
 
 from trl_turbo.sharding.fsdp_modules import own_class_name, reshard_all
-from trl_turbo.testing.multi_gpu import fresh_rendezvous_env, run_launch
+from trl_turbo.testing.multi_gpu import per_rank_reports
 
 SCRIPT = textwrap.dedent(
     """
@@ -50,14 +48,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_reshard_all_puts_gathered_layers_and_the_root_back_on_their_shards(tmp_path):
-    script = tmp_path / "reshard.py"
-    script.write_text(SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               str(tmp_path / "report.json")]
-    result = run_launch(command, cwd=tmp_path, timeout=600, env=fresh_rendezvous_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    for rank in range(2):
-        report = json.loads((tmp_path / f"report.json.{rank}").read_text())
+    for report in per_rank_reports(SCRIPT, tmp_path):
         # the forward left the layers (reshard_after_forward=False) and the root's embedding gathered
         assert any(".layers." in name for name in report["gathered"]), report["gathered"]
         assert "model.embed_tokens.weight" in report["gathered"]

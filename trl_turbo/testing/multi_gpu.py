@@ -19,8 +19,10 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +78,20 @@ def run_launch(command: list[str], *, timeout: float | None, cwd: Any = None, en
             stdout, stderr = process.communicate()
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr) from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def per_rank_reports(script: str, workdir: Path, processes: int = 2, timeout: float = 600) -> list[dict[str, Any]]:
+    """Run `script` (Python source) on `processes` CPU ranks with `torch.distributed.run` in `workdir`, its first
+    argument the report path each rank suffixes with `.<rank>`; return the ranks' JSON reports in rank order (the
+    launch must succeed)."""
+    path = Path(workdir) / "per_rank_script.py"
+    path.write_text(script)
+    report = Path(workdir) / "report.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(path), str(report)]
+    result = run_launch(command, cwd=workdir, timeout=timeout, env=fresh_rendezvous_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return [json.loads(Path(f"{report}.{rank}").read_text()) for rank in range(processes)]
 
 
 def fresh_rendezvous_env() -> dict[str, str]:

@@ -4,6 +4,7 @@ the child specs it hands to e2e's launcher."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_synthetic_rollouts_differ_per_call_and_normalize_over_every_process():
 
 def _args(**overrides) -> argparse.Namespace:
     defaults = dict(shape="qwen2.5-32b", launch="fsdp2", processes=2, micro_batch=8, prompt_len=256, steps=1,
-                    warmup=1, checkpoint=None, variant_timeout=60.0, quantization="none", tis=False, out="unused")
+                    warmup=1, checkpoint=None, variant_timeout=60.0, quantization="none", tis=False, out="unused",
+                    side_by_side=False)
     return argparse.Namespace(**{**defaults, **overrides})
 
 
@@ -85,3 +87,42 @@ def test_launched_train_refuses_what_it_does_not_measure(monkeypatch):
         train_launched.run(_args(tis=True), [8192], ["stock"], {"stock": {}})
     with pytest.raises(SystemExit, match="unknown launch"):
         train_launched.run(_args(launch="nope"), [8192], ["stock"], {"stock": {}})
+
+
+@pytest.mark.parametrize("side_by_side", [False, True])
+def test_launched_variants_run_one_after_the_other_or_side_by_side(tmp_path, monkeypatch, side_by_side):
+    """Side by side, each variant gets GPUs of its own and runs its lengths in turn; a failed length ends its
+    variant. The rows come out in variant then length order, each file rewritten after every row."""
+    calls = []
+
+    def fake_child(spec, timeout_s, devices=None):
+        calls.append((spec["variant"], spec["completion_len"], devices))
+        ok = not (spec["variant"] == "stock" and spec["completion_len"] == 8192)  # stock runs out at 8192
+        return {"variant": spec["variant"], "ok": ok, "error": None if ok else "OOM", "peak_gib": 1.0,
+                "step_s": 2.0, "launch": spec["launch"], "processes": spec["processes"]}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(e2e, "prepare_checkpoint", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(e2e, "run_child", fake_child)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = _args(side_by_side=side_by_side, out=str(tmp_path))
+    configs = {"stock": {}, "turbo": {}}
+    path = train_launched.run(args, [4096, 8192, 16384], ["stock", "turbo"], configs)
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["variant"], r["completion_len"], r["ok"]) for r in rows] == [
+        ("stock", 4096, True), ("stock", 8192, False), ("turbo", 4096, True), ("turbo", 8192, True),
+        ("turbo", 16384, True)]
+    devices = {variant: {d and tuple(d) for v, _, d in calls if v == variant} for variant in configs}
+    if side_by_side:
+        assert devices == {"stock": {("0", "1")}, "turbo": {("2", "3")}} and rows[0]["devices"] == ["0", "1"]
+    else:
+        assert devices == {"stock": {None}, "turbo": {None}} and [c[0] for c in calls] == ["stock"] * 2 + ["turbo"] * 3
+
+
+def test_side_by_side_needs_a_launch(monkeypatch):
+    with pytest.raises(SystemExit, match="add --launch fsdp2"):
+        train.run(_args(launch="1gpu", side_by_side=True, lengths="8192", variants="stock,turbo", device=None,
+                        forward_token_budget=None, turbo_set=[]))

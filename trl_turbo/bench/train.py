@@ -281,6 +281,8 @@ def run(args: argparse.Namespace) -> Path:
         clash = sorted(set(overrides) & set(VARIANT_CONFIG[variant]))
         if clash and variant != "stock":
             raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
+    if args.side_by_side and args.launch == SINGLE_GPU:
+        raise SystemExit("--side-by-side runs launched variants at once: add --launch fsdp2 (or another config)")
     if args.launch != SINGLE_GPU:
         from . import train_launched
 
@@ -377,4 +379,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="--launch: where the random-init checkpoint is saved (reused)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0,
                         help="--launch: seconds before a variant is stopped")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="--launch: every variant at once, each on --processes GPUs of its own")
     parser.set_defaults(func=run)

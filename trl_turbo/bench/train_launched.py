@@ -6,20 +6,22 @@ Design decision: FSDP2 and DeepSpeed wrap the model only inside `Trainer.train()
 one after the other: the same launcher (TRL's own accelerate config), checkpoint, device-memory sampler and rank
 merge, with TRL's generation replaced by synthetic rollouts (`synthetic`), and no vLLM engine. A step is then one
 micro-batch of `--micro-batch` sequences per GPU: forward, backward, FSDP2's gathers and reduce-scatters and the
-optimizer. The peak is the largest of any GPU's, sampled from the driver as in e2e.
+optimizer. The peak is the largest of any GPU's, sampled from the driver as in e2e. With ``--side-by-side`` every
+variant runs at once on GPUs of its own (as e2e's), its lengths one after the other.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from ..planning.shapes import SHAPES
 from . import e2e
-from .gpu_children import launch_command
+from .gpu_children import launch_command, visible_devices
 from .results import metadata, write
 
 
@@ -60,18 +62,38 @@ def run(args: argparse.Namespace, lengths: list[int], variants: list[str],
     meta = metadata("train", device, config)
     stem = f"train-{args.shape}-{args.processes}gpu-{args.launch}-{time.strftime('%Y%m%d-%H%M%S')}"
     panels = (("peak_gib", f"peak per GPU (GiB), {args.launch} x {args.processes}"), ("step_s", "step time (s)"))
+    groups = (e2e.side_by_side_devices([args.processes] * len(variants),
+                                       visible_devices(torch.cuda.device_count()))
+              if args.side_by_side else [None] * len(variants))
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as output_dir:
-        for spec in specs(args, lengths, variants, configs, checkpoint, output_dir):
-            if any(r["variant"] == spec["variant"] and not r.get("ok") for r in rows):
-                continue  # a longer completion of a variant that already failed would fail too
-            row = e2e.run_child(spec, args.variant_timeout)
+    written = threading.Lock()
+    path = Path(args.out) / f"{stem}.json"
+
+    def run_variant(variant: str, devices: list[str] | None, output_dir: str) -> None:
+        for spec in specs(args, lengths, [variant], configs, checkpoint, output_dir):
+            row = e2e.run_child(spec, args.variant_timeout, devices)
             row["completion_len"] = spec["completion_len"]
-            rows.append(row)
-            print(format_row(row), flush=True)
-            # after every row: a run cut short keeps what it measured
-            path = write(meta, rows, args.shape, Path(args.out), series=lambda r: r["variant"], panels=panels,
-                         stem=stem)
+            if devices is not None:
+                row["devices"] = devices
+            with written:
+                rows.append(row)
+                rows.sort(key=lambda r: (variants.index(r["variant"]), r["completion_len"]))
+                print(format_row(row), flush=True)
+                # after every row: a run cut short keeps what it measured
+                write(meta, rows, args.shape, Path(args.out), series=lambda r: r["variant"], panels=panels,
+                      stem=stem)
+            if not row.get("ok"):
+                return  # a longer completion of a variant that failed would fail too
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        threads = [threading.Thread(target=run_variant, args=(variant, devices, output_dir))
+                   for variant, devices in zip(variants, groups, strict=True)]
+        for thread in threads:  # side by side: at once, each on GPUs of its own; else one after the other
+            thread.start()
+            if not args.side_by_side:
+                thread.join()
+        for thread in threads:
+            thread.join()
     print(f"wrote {path} (+ .png)")
     return path
 

@@ -81,6 +81,7 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 VARIANTS = (*VARIANT_CONFIG, *PEER_VARIANTS)  # the peers run their own recipe (`peers`)
 CHECKPOINT_MARKER = "trl_turbo_checkpoint.json"
+LORA = {"r": 16, "alpha": 16, "target_modules": "all-linear"}  # every variant's adapter (unless full fine-tuning)
 SYNTHETIC = "synthetic"  # a spec's `rollouts`: no vLLM engine, generation replaced by `synthetic_rollouts`
 SAMPLE_PERIOD_S = 0.02
 TIMELINE_PERIOD_S = 0.25
@@ -396,11 +397,12 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
                 except Exception as exc:
                     row["accounting_error"] = f"{type(exc).__name__}: {exc}"
 
-            if getattr(trainer, "vllm_generation", None) is not None:
+            has_engine = getattr(trainer, "vllm_generation", None) is not None  # none with synthetic rollouts
+            if has_engine:
                 account()
 
             def save_progress() -> None:  # a variant stopped by its timeout still leaves its finished steps
-                if len(steps) == 1 and getattr(trainer, "vllm_generation", None) is not None:
+                if len(steps) == 1 and has_engine:
                     account()  # again: FSDP2 shards the model (and shares its shards) only when training starts
                 partial = {**row, "error": "stopped before the last step", "steps": steps,
                            "timeline": sampler.timeline, **summarize(steps, spec["warmup"])}
@@ -598,7 +600,7 @@ def run(args: argparse.Namespace) -> Path:
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
               "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib, "vllm_tp": args.vllm_tp,
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
-              "lora": None if args.full_finetuning else {"r": 16, "alpha": 16, "target_modules": "all-linear"},
+              "lora": None if args.full_finetuning else LORA,
               "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
               "side_by_side": args.side_by_side, "launches": launches, "profile_decode": args.profile_decode,

@@ -32,7 +32,7 @@ def specs(args: argparse.Namespace, lengths: list[int], variants: list[str], con
     common = {"shape": args.shape, "quantization": "none", "launch": args.launch, "processes": args.processes,
               "prompts": 1, "generations": args.micro_batch, "micro_batch": args.micro_batch,
               "prompt_len": args.prompt_len, "steps": args.steps + args.warmup, "warmup": args.warmup,
-              "seed": 0, "vllm_tp": 1, "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"},
+              "seed": 0, "vllm_tp": 1, "lora": e2e.LORA,
               "rollouts": e2e.SYNTHETIC, "checkpoint": str(checkpoint), "variant_config": configs,
               "profile_decode": [], "unsloth_site": None}
     return [{**common, "variant": variant, "completion_len": length,
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, lengths: list[int], variants: list[str],
               "processes": args.processes, "micro_batch_per_gpu": args.micro_batch, "prompt_len": args.prompt_len,
               "lengths": lengths, "variants": variants, "variant_config": configs, "steps": args.steps,
               "warmup": args.warmup, "rollouts": e2e.SYNTHETIC,
-              "lora": {"r": 16, "alpha": 16, "target_modules": "all-linear"}, "loss_type": "dapo", "beta": 0.0,
+              "lora": e2e.LORA, "loss_type": "dapo", "beta": 0.0,
               "gradient_checkpointing": True, "dtype": "bfloat16"}
     meta = metadata("train", device, config)
     stem = f"train-{args.shape}-{args.processes}gpu-{args.launch}-{time.strftime('%Y%m%d-%H%M%S')}"

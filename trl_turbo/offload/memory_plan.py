@@ -64,14 +64,14 @@ MARGIN_FLOOR_BYTES = 1 * _GIB
 # margin only absorbs the prediction's error: a peak past the ceiling raises the step's peak, it does not fail, and a
 # miss widens the reserve of later plans. Predictions run above the measured peak (H200, Llama-3.1-8B realistic
 # e2e row 20261125-082954: 47.7 GiB predicted, 45.2 GiB measured by torch).
+CEILING_MARGIN_FRACTION = 0.01
+CEILING_MARGIN_FLOOR_BYTES = 256 * 2**20
 # Under FSDP2 a backward pass also holds gathered layers (the one computing, the one prefetched, the all-gather buffers
 # they are copied out of), and the caching allocator is left with free blocks between kept activations too small for
 # the next gather. Measured on 2 x H200 (Qwen2.5-32B shape, LoRA, 8 x 8448 tokens per GPU, one layer ~0.95 GiB): a
 # plan whose peak the forecast put at 130.8 GiB ran out of memory with 7.9 GiB of the device held in such blocks,
 # about 8 gathered layers' worth. A sharded run's planner keeps this many layers' 16-bit bytes free besides its margin.
 SHARDED_RESERVE_LAYERS = 12
-CEILING_MARGIN_FRACTION = 0.01
-CEILING_MARGIN_FLOOR_BYTES = 256 * 2**20
 # Relative time per token of a micro-batch's training forward and backward split into sequence groups of this many
 # tokens, every layer keeping its activations; interpolated in log tokens, 1.0 beyond the last entry. Measured on
 # an H200, Llama-3.1-8B shape, LoRA r16, 16 x 2112 tokens (train-llama-3.1-8b-20261125-132705 to -133005): one

@@ -117,9 +117,9 @@ def kept_shard_problem(hf_name: str, param: Any, entry: Any, tp_rank: int) -> st
     if local != tuple(expected):
         return f"{hf_name}: FSDP2's shard {local}, vLLM's slice {tuple(expected)} on tensor-parallel rank {tp_rank}"
     shard_dims = [dim for dim, placement in enumerate(param.placements) if placement.is_shard()]
-    if shard_dims and getattr(param.placements[shard_dims[-1]], "dim", slice_.dim) != slice_.dim:
-        return (f"{hf_name}: FSDP2 shards dim {param.placements[shard_dims[-1]].dim}, vLLM's slice is along dim "
-                f"{slice_.dim}")
+    sharded_dim = getattr(param.placements[shard_dims[-1]], "dim", slice_.dim) if shard_dims else slice_.dim
+    if sharded_dim != slice_.dim:
+        return f"{hf_name}: FSDP2 shards dim {sharded_dim}, vLLM's slice is along dim {slice_.dim}"
     index = param.device_mesh.get_local_rank(shard_dims[-1]) if shard_dims else 0
     if index != tp_rank:
         return f"{hf_name}: FSDP2 holds shard {index} where vLLM's tensor-parallel rank is {tp_rank}"

@@ -1,4 +1,5 @@
-"""CLI entry point: ``python -m trl_turbo.bench {train,loss,e2e,curves,is-gap,roofline,cpu-step,soak,table} ...``.
+"""CLI entry point: ``python -m trl_turbo.bench <benchmark> ...`` (train, loss, e2e, engine-options, curves, is-gap,
+roofline, cpu-step, soak, table).
 
 Design decision: one argparse program with a subcommand per benchmark; each subcommand module owns its arguments
 (``add_parser``) and its ``run``, so adding a benchmark touches only its module and this list.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import cpu_step, curves, e2e, is_gap, loss, results, roofline, soak, train
+from . import cpu_step, curves, e2e, engine_options, is_gap, loss, results, roofline, soak, train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -18,6 +19,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     train.add_parser(subparsers)
     loss.add_parser(subparsers)
     e2e.add_parser(subparsers)
+    engine_options.add_parser(subparsers)
     curves.add_parser(subparsers)
     is_gap.add_parser(subparsers)
     roofline.add_parser(subparsers)

@@ -5,11 +5,13 @@ a variant's measured steps, one short generation per batch size through the same
 (the adapter merged into the shared weights, written into the fp8 copy, or in vLLM's LoRA slots, as a training
 generation has it; stock's engine woken and synced as TRL does): first to warm up (CUDA graphs of that batch), then
 timed, then under torch's profiler with CUDA activity only (kernel durations; kernels replayed from CUDA graphs
-included). Prompts are short, so the time is decode. TRL builds the engine for its own batch (`max_num_seqs`: a
-rank's micro-batch x steps per generation x T), so a larger probe batch runs in waves of that many sequences: a
-decode step is then one scheduler step of one wave, and the summary counts tokens x waves of them. Kernels are
-classed by name (`KERNEL_CLASSES`, first match wins); what a timed step spends outside every kernel is its gap
-(launch latency, synchronisation, host work between steps). Everything but `probe` is pure and tested on CPU.
+included). Each generation runs twice, for its whole length and for its first token only (the prefill), and the
+decode steps are the difference, in wall time and in each kernel's time, so long prompts put the decode steps at a
+long context without counting their prefill. TRL builds the engine for its own batch (`max_num_seqs`: a rank's
+micro-batch x steps per generation x T), so a larger probe batch runs in waves of that many sequences: a decode step
+is then one scheduler step of one wave, and the summary counts tokens x waves of them. Kernels are classed by name
+(`KERNEL_CLASSES`, first match wins); what a timed step spends outside every kernel is its gap (launch latency,
+synchronisation, host work between steps). Everything but `measure` and `probe` is pure and tested on CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("memory", r"memcpy|memset|copy|cat_|index|gather|scatter|fill"),
 )
 OTHER = "other elementwise"
+PROBE_TOKENS = 128  # tokens each profiled generation samples
 TOP = 4  # kernels listed per class, the longest first
 _PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES)
 
@@ -93,6 +96,19 @@ def kernel_totals(profiler: Any) -> list[tuple[str, float, int]]:
     return totals
 
 
+def decode_kernels(whole: Iterable[tuple[str, float, int]],
+                   prefill: Iterable[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+    """Each kernel's (name, µs, launches) over a generation's decode steps: the whole generation's less its
+    first-token run's (the prefill), kernels the decode steps never ran dropped."""
+    first = {name: (us, launches) for name, us, launches in prefill}
+    decode = []
+    for name, us, launches in whole:
+        prefill_us, prefill_launches = first.get(name, (0.0, 0))
+        if launches > prefill_launches:
+            decode.append((name, max(0.0, us - prefill_us), launches - prefill_launches))
+    return decode
+
+
 @contextlib.contextmanager
 def sampling_engine(trainer: Any) -> Iterator[Any]:
     """The engine ready to sample from the live policy as a training generation would, for the block; yields
@@ -115,33 +131,47 @@ def sampling_engine(trainer: Any) -> Iterator[Any]:
         yield {} if state.merged is not None else {"lora_request": state.lora_request}
 
 
-def probe(trainer: Any, batches: Sequence[int], *, tokens: int = 128, prompt_len: int = 16) -> dict[str, Any]:
-    """Profile one `tokens`-token generation of each batch size in `batches` through the trainer's engine."""
+def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 1,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The decode steps of one `tokens`-token generation of `prompts`: timed, then profiled, each as the whole
+    generation less its first token (`rounds`: the waves the engine runs the prompts in)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
+    def generate(max_tokens: int) -> float:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, logprobs=0)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False, **(extra or {}))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    generate(tokens)  # warm-up: this batch's CUDA graphs
+    wall_s = generate(tokens) - generate(1)
+    totals = []
+    for max_tokens in (tokens, 1):
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            generate(max_tokens)
+        totals.append(kernel_totals(profiler))
+    return {**summarize(decode_kernels(*totals), steps=(tokens - 1) * rounds, wall_s=max(0.0, wall_s)),
+            "waves": rounds}
+
+
+def probe_prompts(batch: int, prompt_len: int) -> list[dict[str, Any]]:
+    """`batch` distinct prompts of `prompt_len` token ids, the same on every run."""
+    return [{"prompt_token_ids": [3 + (7 * i + j) % 50 for j in range(prompt_len)]} for i in range(batch)]
+
+
+def probe(trainer: Any, batches: Sequence[int], *, tokens: int = PROBE_TOKENS, prompt_len: int = 16) -> dict[str, Any]:
+    """Profile the decode steps of one `tokens`-token generation of each batch size in `batches`, after prompts of
+    `prompt_len` tokens, through the trainer's engine."""
     generation = trainer.vllm_generation
-    llm = generation.llm
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0, logprobs=0)
     max_num_seqs = getattr(generation, "max_num_seqs", None)
     results: dict[str, Any] = {"tokens": tokens, "prompt_len": prompt_len, "max_num_seqs": max_num_seqs}
     with sampling_engine(trainer) as extra:
         for batch in batches:
-            prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 50 for j in range(prompt_len)]} for i in range(batch)]
-
-            def generate(prompts: list[dict[str, Any]] = prompts) -> None:
-                llm.generate(prompts, params, use_tqdm=False, **extra)
-                torch.cuda.synchronize()
-
-            generate()  # warm-up: this batch's CUDA graphs
-            start = time.perf_counter()
-            generate()
-            wall_s = time.perf_counter() - start
-            with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-                generate()
-            rounds = waves(batch, max_num_seqs)
-            summary = {**summarize(kernel_totals(profiler), steps=tokens * rounds, wall_s=wall_s), "waves": rounds}
+            summary = measure(generation.llm, probe_prompts(batch, prompt_len), tokens, waves(batch, max_num_seqs),
+                              extra)
             results[str(batch)] = summary
             print(format_profile(batch, summary), flush=True)
     return results

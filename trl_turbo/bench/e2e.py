@@ -108,6 +108,7 @@ def wordlevel_tokenizer(vocab_size: int) -> Any:
 
 # How every variant loads the checkpoint. No `quantization_config`: `prepare_checkpoint` saves a 4-bit run's
 # checkpoint already quantized, and transformers refuses a second, dict-typed config for it.
+PROFILE_CONTEXT = 16  # the decode profile's default prompt length: short, so attention reads little
 MODEL_INIT_KWARGS = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
 
 
@@ -365,7 +366,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         row["sampling"] = None if engine is None or engine.sampling is None else engine.sampling.value
 
     def profile_decode(trainer: Any, row: dict[str, Any]) -> None:
-        row["decode_profile"] = decode_profile.probe(trainer, spec["profile_decode"])
+        row["decode_profile"] = decode_profile.probe(trainer, spec["profile_decode"],
+                                                     prompt_len=spec.get("profile_context", PROFILE_CONTEXT))
 
     return measure(spec, device, build, describe, new_row(spec, **cap),
                    after=profile_decode if spec.get("profile_decode") else None)
@@ -589,6 +591,11 @@ def run(args: argparse.Namespace) -> Path:
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     workload = resolve_workload(args)
+    context_room = args.prompt_len + workload["completion_len"] - decode_profile.PROBE_TOKENS
+    if args.profile_decode and not 1 <= args.profile_context <= context_room:
+        raise SystemExit(f"--profile-context {args.profile_context}: the probe's prompts must leave its "
+                         f"{decode_profile.PROBE_TOKENS} tokens room in the engine's {args.prompt_len} + "
+                         f"{workload['completion_len']}-token context, so at most {context_room}")
     quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}{quantized}")
     start = time.perf_counter()
@@ -604,6 +611,7 @@ def run(args: argparse.Namespace) -> Path:
               "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
               "side_by_side": args.side_by_side, "launches": launches, "profile_decode": args.profile_decode,
+              "profile_context": args.profile_context,
               "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes for launch in launches},
               "variant_config": {v: variant_config(v, overrides) for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
@@ -806,6 +814,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile-decode", type=_batch_sizes, default=[], metavar="N,N",
                         help="after its steps, profile a short generation of each batch size through each TRL "
                              "variant's engine (kernel time by class per decode step; `decode_profile`)")
+    parser.add_argument("--profile-context", type=int, default=PROFILE_CONTEXT, metavar="TOKENS",
+                        help="the profiled generations' prompt length: their decode steps run at this context")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)

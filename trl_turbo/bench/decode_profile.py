@@ -153,6 +153,9 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
             generate(max_tokens)
         totals.append(kernel_totals(profiler))
+    if not totals[0]:
+        raise RuntimeError("the profiler saw no GPU kernel: the engine runs in another process "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it in this one)")
     return {**summarize(decode_kernels(*totals), steps=(tokens - 1) * rounds, wall_s=max(0.0, wall_s)),
             "waves": rounds}
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planning.roofline import Generation, decode_weight_bytes, rank_kv_bytes_per_token
+from ..vllm import fp8_kernel
 from .decode_profile import format_profile, measure, probe_prompts
 from .gpu_children import child_main, run_jobs
 from .results import DEFAULT_RESULTS_DIR
@@ -36,6 +37,7 @@ class EngineOption:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
+    turbo_fp8_gemm: bool = False  # trl_turbo's weight-only fp8 GEMM for decode-sized batches (`vllm.fp8_kernel`)
 
     @property
     def weight_dtype(self) -> str:
@@ -55,6 +57,7 @@ OPTIONS: dict[str, EngineOption] = {
     # Marlin: weight-only fp8, activations stay 16-bit; vLLM takes it on Hopper only when told to
     "fp8-marlin": EngineOption(FP8, {"VLLM_TEST_FORCE_FP8_MARLIN": "1"}, reference="fp8"),
     "fp8-torch": EngineOption({**FP8, "linear_backend": "torch"}, reference="fp8"),
+    "fp8-turbo-gemm": EngineOption({**FP8, **fp8_kernel.engine_arguments()}, reference="fp8", turbo_fp8_gemm=True),
 }
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64
@@ -182,8 +185,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
     """One option's engine: greedy samples, then each (batch, context) cell's decode steps; `row` filled in place."""
     option = OPTIONS[spec["option"]]
-    os.environ.update(option.env)  # before vLLM is imported: it reads these when it picks kernels
+    # before vLLM is imported: it reads these when it picks kernels. In-process, as TRL's colocated engine runs
+    # (and so that the profiler sees the engine's kernels)
+    os.environ.update({**option.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     from vllm import LLM, SamplingParams
+
+    if option.turbo_fp8_gemm:
+        fp8_kernel.install()
 
     start = time.perf_counter()
     llm = LLM(model=spec["checkpoint"], dtype="bfloat16", max_model_len=spec["max_model_len"],

@@ -375,6 +375,17 @@ def test_e2e_ranks_merge_into_one_row_and_scaling_is_against_one_gpu():
         e2e.launch_command("not_a_config", 2)
 
 
+def test_e2e_profile_context_must_leave_the_probe_room_in_the_engines_context():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--shape", "tiny", "--preset", "realistic", "--profile-decode", "8",
+                              "--profile-context", "2000"])  # 64 + 2048 - 128 = 1984 at most
+    with pytest.raises(SystemExit, match="at most 1984"):
+        e2e.run(args)
+
+
 def test_e2e_refuses_to_run_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA"):

@@ -9,7 +9,15 @@ from types import SimpleNamespace
 import pytest
 
 from trl_turbo.bench import e2e
-from trl_turbo.bench.decode_profile import OTHER, classify, format_profile, kernel_totals, summarize, waves
+from trl_turbo.bench.decode_profile import (
+    OTHER,
+    classify,
+    decode_kernels,
+    format_profile,
+    kernel_totals,
+    summarize,
+    waves,
+)
 
 # Kernel names as CUDA profiles of vLLM 0.24's decode show them (abridged)
 KERNELS = {
@@ -70,3 +78,11 @@ def test_batch_sizes_are_positive_integers():
 
 def test_a_batch_larger_than_the_engine_takes_runs_in_waves():
     assert waves(64, 8) == 8 and waves(9, 8) == 2 and waves(8, 8) == 1 and waves(64, None) == 1
+
+
+def test_the_decode_steps_are_the_whole_generation_less_its_first_token():
+    whole = [("flash_fwd_splitkv", 900.0, 40), ("nvjet_gemm", 5000.0, 300), ("prefill_only_kernel", 50.0, 1),
+             ("rms_norm", 30.0, 12)]
+    prefill = [("flash_fwd_splitkv", 300.0, 4), ("nvjet_gemm", 1000.0, 30), ("prefill_only_kernel", 50.0, 1)]
+    decode = decode_kernels(whole, prefill)
+    assert decode == [("flash_fwd_splitkv", 600.0, 36), ("nvjet_gemm", 4000.0, 270), ("rms_norm", 30.0, 12)]

@@ -581,6 +581,12 @@ def run(args: argparse.Namespace) -> Path:
                          "one after the other (leave out --side-by-side)")
     if args.gpu_gib is not None and args.gpu_gib <= 0:
         raise SystemExit(f"--gpu-gib must be a positive number of GiB, got {args.gpu_gib}")
+    completion_len = resolve_workload(args)["completion_len"]
+    context_room = args.prompt_len + completion_len - decode_profile.PROBE_TOKENS
+    if args.profile_decode and not 1 <= args.profile_context <= context_room:
+        raise SystemExit(f"--profile-context {args.profile_context}: the probe's prompts must leave its "
+                         f"{decode_profile.PROBE_TOKENS} tokens room in the engine's {args.prompt_len} + "
+                         f"{completion_len}-token context, so at most {context_room}")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         raise SystemExit("the e2e benchmark runs vLLM: it needs a CUDA GPU")
@@ -591,11 +597,6 @@ def run(args: argparse.Namespace) -> Path:
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     workload = resolve_workload(args)
-    context_room = args.prompt_len + workload["completion_len"] - decode_profile.PROBE_TOKENS
-    if args.profile_decode and not 1 <= args.profile_context <= context_room:
-        raise SystemExit(f"--profile-context {args.profile_context}: the probe's prompts must leave its "
-                         f"{decode_profile.PROBE_TOKENS} tokens room in the engine's {args.prompt_len} + "
-                         f"{workload['completion_len']}-token context, so at most {context_room}")
     quantized = "" if args.quantization == "none" else f"-{args.quantization}"
     checkpoint = Path(args.checkpoint or Path(tempfile.gettempdir()) / f"trl-turbo-{args.shape}{quantized}")
     start = time.perf_counter()

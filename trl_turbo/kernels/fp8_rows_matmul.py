@@ -1,14 +1,14 @@
 """A Triton matmul for decode-sized batches against an e4m3 weight with one scale per tensor, the activations kept
 16-bit (weight-only fp8): out[M, N] = x[M, K] @ (scale * W[N, K])^T (+ bias), for the sampling engine's fp8 copy
-(`trl_turbo.ops.fp8_decode_linear`).
+(`trl_turbo.ops.fp8_linear`).
 
 At a decode step M is the number of live sequences (8 to 64 in GRPO), so the product is bound by reading W once;
 vLLM's W8A8 GEMM also quantizes every activation row first and reaches about two thirds of the weight's read floor
-there. Each program owns BLOCK_N of W's rows and walks all of K: it loads an [BLOCK_N, BLOCK_K] tile of fp8 bytes,
-widens it to the activations' dtype in registers and accumulates x @ tile^T in fp32 on the tensor cores (M padded
-to at least 16 rows with masked zeros, as `tl.dot` needs). The scale multiplies the fp32 sum once at the end. No
-split over K: N is several thousand in every decoder matrix, so N / BLOCK_N programs already cover the GPU, and the
-sum over K stays in one order (the result does not depend on the launch).
+there. Each program owns BLOCK_N of W's rows and walks all of K: it loads a [BLOCK_K, BLOCK_N] tile of fp8 bytes
+(W's rows as columns), widens it to the activations' dtype in registers and accumulates x @ tile in fp32 on the
+tensor cores (M padded to at least 16 rows with masked zeros, as `tl.dot` needs). The scale multiplies the fp32 sum
+once at the end. No split over K: N is several thousand in every decoder matrix, so N / BLOCK_N programs already
+cover the GPU, and the sum over K stays in one order (the result does not depend on the launch).
 
 With `TRITON_INTERPRET=1` set before this module is imported, the kernel also runs on CPU tensors (`INTERPRETED`);
 the interpreter's 16-bit `tl.dot` is wrong, so there both operands are widened to fp32 first (the same exact products:
@@ -40,12 +40,14 @@ def _fp8_rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k,
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + cols[None, :],
                     mask=(rows_m[:, None] < m) & (cols[None, :] < k), other=0.0)
-        w = tl.load(w_ptr + rows_n[:, None] * stride_wn + cols[None, :],
-                    mask=(rows_n[:, None] < n) & (cols[None, :] < k), other=0.0)
+        # W's tile loaded as [BLOCK_K, BLOCK_N] (the dot's right operand as it is consumed, no transpose in
+        # registers); consecutive k are consecutive bytes
+        w = tl.load(w_ptr + rows_n[None, :] * stride_wn + cols[:, None],
+                    mask=(rows_n[None, :] < n) & (cols[:, None] < k), other=0.0)
         if WIDE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += tl.dot(x, w.to(x.dtype))
     acc = acc * tl.load(scale_ptr).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n, mask=rows_n < n, other=0.0).to(tl.float32)[None, :]

@@ -11,6 +11,9 @@ Design decisions:
   graphs capture it), every other layer to vLLM's own code. Both are replaced once, through the registry.
 - The op reads the layer's weight as vLLM keeps it (a [K, N] view of [N, K] e4m3 storage, whose rows trl_turbo's
   fp8 writer fills) and its one fp32 scale.
+- A candidate, not yet what training samples with: nothing in the run plan asks for it until it beats vLLM's W8A8
+  on the GPU (`bench engine-options --options fp8,fp8-turbo-gemm`; its first configuration took 2.1x vLLM's GEMM
+  time, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,0 +1,65 @@
+"""The engine-options benchmark's pure parts: each option's precision, the byte floor of a decode step, greedy
+agreement, and the refusals that come before any GPU work (the measurements run on the GPU)."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from trl_turbo.bench import engine_options
+from trl_turbo.bench.engine_options import OPTIONS, agreement, chosen, step_floor_s
+from trl_turbo.bench.roofline import shape_spec
+
+
+def test_every_candidate_names_a_reference_of_its_own_precision():
+    for name, option in OPTIONS.items():
+        if option.reference is not None:
+            reference = OPTIONS[option.reference]
+            assert reference.reference is None, name
+            assert reference.weight_dtype == option.weight_dtype, name
+    assert OPTIONS["fp8"].kv_bytes == 1 and OPTIONS["fp8-bf16-kv"].kv_bytes == 2 and OPTIONS["bf16"].kv_bytes == 2
+    assert OPTIONS["fp8-turbo-gemm"].turbo_fp8_gemm and not OPTIONS["fp8"].turbo_fp8_gemm
+
+
+def test_a_decode_steps_floor_is_its_weights_and_its_live_kv_cache_at_the_read_bandwidth():
+    spec = shape_spec("llama-3.1-8b", None)
+    lm_head = spec.vocab_size * spec.hidden_size * 2
+    kv_per_token = spec.layers * spec.key_value_heads * spec.head_dim * 2  # keys and values, one byte each in fp8
+    bandwidth = 4e12
+    # 8 sequences of 100 prompt tokens, 64 sampled: on average 132 cached tokens each
+    expected = (spec.layer_linear_parameters * 1 + lm_head + 8 * 132 * kv_per_token) / bandwidth
+    assert step_floor_s(spec, OPTIONS["fp8"], 8, 100, 64, bandwidth) == pytest.approx(expected)
+    bf16 = (spec.layer_linear_parameters * 2 + lm_head + 8 * 132 * kv_per_token * 2) / bandwidth
+    assert step_floor_s(spec, OPTIONS["bf16"], 8, 100, 64, bandwidth) == pytest.approx(bf16)
+
+
+def test_agreement_counts_equal_tokens_and_compares_log_probs_only_before_each_divergence():
+    reference = [{"tokens": [1, 2, 3, 4], "logprobs": [-0.1, -0.2, -0.3, -0.4]},
+                 {"tokens": [5, 6, 7, 8], "logprobs": [-1.0, -1.0, -1.0, -1.0]}]
+    samples = [{"tokens": [1, 2, 9, 4], "logprobs": [-0.1, -0.25, -5.0, -0.4]},
+               {"tokens": [5, 6, 7, 8], "logprobs": [-1.0, -1.0, -1.0, -1.01]}]
+    result = agreement(samples, reference)
+    assert result["tokens_equal"] == 7 and result["tokens"] == 8
+    assert result["first_divergence"] == [2, 4]
+    assert result["max_logprob_gap_before_divergence"] == pytest.approx(0.05)  # not the -5.0 after divergence
+
+
+def test_a_completions_log_probs_are_read_at_its_chosen_tokens():
+    completion = SimpleNamespace(token_ids=[7, 3], logprobs=[{7: SimpleNamespace(logprob=-0.5)},
+                                                             {3: SimpleNamespace(logprob=-1.5)}])
+    assert chosen(completion) == {"tokens": [7, 3], "logprobs": [-0.5, -1.5]}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    engine_options.add_parser(parser.add_subparsers())
+    return parser.parse_args(["engine-options", *argv])
+
+
+def test_unknown_options_and_missing_references_are_refused_before_any_gpu_work():
+    with pytest.raises(SystemExit, match="unknown options"):
+        engine_options.run(_args("--options", "bf16,fp9"))
+    with pytest.raises(SystemExit, match="checked against 'fp8'"):
+        engine_options.run(_args("--options", "fp8-marlin"))

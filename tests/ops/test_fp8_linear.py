@@ -1,0 +1,115 @@
+"""The weight-only fp8 linear op (`trl_turbo.ops.fp8_linear`): the Triton rows kernel (TRITON_INTERPRET=1 on CPU)
+against an fp32 reference within the tolerance rule, next to the naive path that dequantizes to bf16 first; the op's
+dispatch by rows; and the op inside a compiled graph (its fake shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_turbo.ops import fp8_linear as fp8_linear_module
+from trl_turbo.ops.fp8_linear import FP8_DTYPE, MAX_ROWS, reference
+from trl_turbo.testing.tolerance import assert_within_naive_error
+
+needs_triton = pytest.mark.skipif(fp8_linear_module._triton_fp8_rows is None, reason="Triton not installed")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the kernel runs interpreted
+
+
+def _inputs(m: int, n: int, k: int, *, seed: int = 0, bias: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    scale = (weight.abs().max() / torch.finfo(FP8_DTYPE).max).reshape(1)
+    fp8 = (weight / scale).to(FP8_DTYPE)
+    x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+    b = (torch.randn(n, generator=generator) * 0.1).to(torch.bfloat16) if bias else None
+    return (x.to(DEVICE), fp8.to(DEVICE), scale.to(DEVICE), None if b is None else b.to(DEVICE))
+
+
+def _exact(x, weight, scale, bias):
+    out = x.double() @ (weight.double() * scale.double()).T
+    return out if bias is None else out + bias.double()
+
+
+def _naive(x, weight, scale, bias):
+    """Dequantize to bf16, then a bf16 matmul: what a plain torch port of the layer would do."""
+    out = x @ (weight.to(torch.bfloat16) * scale.to(torch.bfloat16)).T
+    return out if bias is None else out + bias
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_rows_kernel_is_within_the_naive_error_of_the_exact_product(m, bias):
+    from trl_turbo.kernels.fp8_rows_matmul import fp8_rows_matmul
+
+    x, weight, scale, b = _inputs(m, 72, 300, seed=m, bias=bias)  # N, K off every block size
+    result = fp8_rows_matmul(x, weight, scale, b)
+    assert result.shape == (m, 72) and result.dtype == torch.bfloat16
+    assert_within_naive_error(result, _naive(x, weight, scale, b), _exact(x, weight, scale, b), what=f"m={m}")
+
+
+@needs_triton
+def test_the_rows_kernel_reads_strided_activations_and_refuses_what_it_cannot_tile():
+    from trl_turbo.kernels.fp8_rows_matmul import LARGEST_BLOCK_M, fp8_rows_matmul
+
+    x, weight, scale, _ = _inputs(8, 40, 64)
+    wide = torch.zeros(64, 8, dtype=x.dtype, device=DEVICE)
+    wide.copy_(x.T)
+    torch.testing.assert_close(fp8_rows_matmul(wide.T, weight, scale), fp8_rows_matmul(x, weight, scale),
+                               rtol=0, atol=0)  # a transposed view gives the same bits as its contiguous copy
+    with pytest.raises(ValueError, match="unit column stride"):
+        fp8_rows_matmul(x, weight.T.contiguous().T, scale)
+    big, _, _, _ = _inputs(LARGEST_BLOCK_M + 1, 40, 64)
+    with pytest.raises(ValueError, match="at most"):
+        fp8_rows_matmul(big, weight, scale)
+
+
+@needs_triton
+def test_decode_sized_batches_take_the_kernel_and_others_the_large_batch_path():
+    x, weight, scale, b = _inputs(MAX_ROWS, 48, 64, bias=True)
+    from trl_turbo.kernels.fp8_rows_matmul import fp8_rows_matmul
+
+    with fp8_linear_module._force_backend("triton"):
+        torch.testing.assert_close(torch.ops.trl_turbo.fp8_linear(x, weight, scale, b),
+                                   fp8_rows_matmul(x, weight, scale, b), rtol=0, atol=0)
+    with fp8_linear_module._force_backend("torch"):  # no Triton: the reference serves
+        torch.testing.assert_close(torch.ops.trl_turbo.fp8_linear(x, weight, scale, b),
+                                   reference(x, weight, scale, b), rtol=0, atol=0)
+    prefill, _, _, _ = _inputs(MAX_ROWS + 1, 48, 64)
+    expected = reference(prefill, weight, scale) if DEVICE.type == "cpu" else None
+    result = torch.ops.trl_turbo.fp8_linear(prefill, weight, scale, None)
+    if expected is not None:  # without fp8 tensor cores a larger batch is the reference
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+    assert result.shape == (MAX_ROWS + 1, 48)
+
+
+def test_the_reference_rounds_once_from_fp32():
+    x, weight, scale, b = _inputs(5, 24, 40, bias=True)
+    exact = _exact(x, weight, scale, b)
+    assert torch.equal(reference(x, weight, scale, b), exact.float().to(torch.bfloat16))
+
+
+def test_the_op_is_opaque_to_a_compiled_graph():
+    x, weight, scale, b = _inputs(6, 32, 48, bias=True)
+
+    def layer(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.trl_turbo.fp8_linear(rows, weight, scale, b) * 2
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [3, 40])
+def test_the_rows_kernel_is_exact_where_every_product_and_sum_is_representable(m):
+    """Small integers in x and in the e4m3 weight, a power-of-two scale: every partial sum is an integer below bf16's
+    256, so any tiling or masking mistake (or a scale applied twice or not at all) shows as a wrong value."""
+    from trl_turbo.kernels.fp8_rows_matmul import fp8_rows_matmul
+
+    generator = torch.Generator().manual_seed(m)
+    x = torch.randint(-2, 3, (m, 37), generator=generator).to(torch.bfloat16).to(DEVICE)
+    weight = torch.randint(-2, 3, (29, 37), generator=generator).to(FP8_DTYPE).to(DEVICE)
+    scale = torch.tensor([0.5], device=DEVICE)
+    bias = torch.randint(-3, 4, (29,), generator=generator).to(torch.bfloat16).to(DEVICE)
+    expected = (x.float() @ weight.float().T * 0.5 + bias.float()).to(torch.bfloat16)
+    assert torch.equal(fp8_rows_matmul(x, weight, scale, bias), expected)

@@ -120,12 +120,13 @@ def run(args: argparse.Namespace) -> Path:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     max_model_len = max(contexts) + args.tokens
-    checkpoint = Path(args.checkpoint)
-    prepare_checkpoint(args.shape, checkpoint, 0, "cuda")
+    checkpoint = Path(args.model or args.checkpoint)
+    if args.model is None:
+        prepare_checkpoint(args.shape, checkpoint, 0, "cuda")
     device = torch.device("cuda", 0)
     hardware = measure_hardware(device)
     torch.cuda.empty_cache()
-    config = {"shape": args.shape, "options": {name: OPTIONS[name].__dict__ for name in names},
+    config = {"shape": args.shape, "model": args.model, "options": {name: OPTIONS[name].__dict__ for name in names},
               "batches": batches, "contexts": contexts, "tokens": args.tokens, "max_model_len": max_model_len,
               "gpu_memory_utilization": args.gpu_memory_utilization, "greedy_prompts": GREEDY_PROMPTS,
               "greedy_tokens": GREEDY_TOKENS}
@@ -176,6 +177,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens each measured generation samples")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--checkpoint", default="/tmp/trl-turbo-llama-3.1-8b", help="random-init checkpoint (reused)")
+    parser.add_argument("--model", default=None,
+                        help="a local checkpoint of the shape's architecture (real weights), used as it is")
     parser.add_argument("--job-timeout", type=float, default=300.0)
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)

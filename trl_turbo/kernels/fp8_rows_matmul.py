@@ -4,11 +4,14 @@
 
 At a decode step M is the number of live sequences (8 to 64 in GRPO), so the product is bound by reading W once;
 vLLM's W8A8 GEMM also quantizes every activation row first and reaches about two thirds of the weight's read floor
-there. Each program owns BLOCK_N of W's rows and walks all of K: it loads a [BLOCK_K, BLOCK_N] tile of fp8 bytes
-(W's rows as columns), widens it to the activations' dtype in registers and accumulates x @ tile in fp32 on the
-tensor cores (M padded to at least 16 rows with masked zeros, as `tl.dot` needs). The scale multiplies the fp32 sum
-once at the end. No split over K: N is several thousand in every decoder matrix, so N / BLOCK_N programs already
-cover the GPU, and the sum over K stays in one order (the result does not depend on the launch).
+there. Each program owns BLOCK_N of W's rows and one of SPLIT_K equal runs of K: it loads [BLOCK_K, BLOCK_N] tiles
+of fp8 bytes (W's rows as columns), widens them to the activations' dtype in registers and accumulates x @ tile in
+fp32 on the tensor cores (M padded to at least 16 rows with masked zeros, as `tl.dot` needs). Wide tiles of N keep
+the activations' share of the bytes moved small (every program reads its run of x again); the split over K keeps
+enough programs in flight where N / BLOCK_N alone would not fill the GPU (N = 4096). The split's partial sums go to
+an fp32 buffer and a second kernel adds them in a fixed order, applies the scale (once, to the fp32 sum) and the
+bias, and rounds: no atomics, so the result does not depend on the scheduling. With one run the first kernel does
+that itself.
 
 With `TRITON_INTERPRET=1` set before this module is imported, the kernel also runs on CPU tensors (`INTERPRETED`);
 the interpreter's 16-bit `tl.dot` is wrong, so there both operands are widened to fp32 first (the same exact products:
@@ -17,6 +20,7 @@ every 16-bit and e4m3 value is an fp32 value).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,43 +33,77 @@ LARGEST_BLOCK_M = 64  # all of M sits in one tile's registers: decode-sized batc
 
 
 @triton.jit
-def _fp8_rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_xm, stride_wn, stride_om,
-                            HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+def _fp8_rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, k_per_split, stride_xm, stride_wn,
+                            stride_om, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, SPLIT_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     rows_m = tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    k_start = pid_k * k_per_split
+    k_stop = tl.minimum(k, k_start + k_per_split)
+    for k0 in range(k_start, k_stop, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + cols[None, :],
-                    mask=(rows_m[:, None] < m) & (cols[None, :] < k), other=0.0)
+                    mask=(rows_m[:, None] < m) & (cols[None, :] < k_stop), other=0.0)
         # W's tile loaded as [BLOCK_K, BLOCK_N] (the dot's right operand as it is consumed, no transpose in
         # registers); consecutive k are consecutive bytes
         w = tl.load(w_ptr + rows_n[None, :] * stride_wn + cols[:, None],
-                    mask=(rows_n[None, :] < n) & (cols[:, None] < k), other=0.0)
+                    mask=(rows_n[None, :] < n) & (cols[:, None] < k_stop), other=0.0)
         if WIDE:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    acc = acc * tl.load(scale_ptr).to(tl.float32)
+    mask = (rows_m[:, None] < m) & (rows_n[None, :] < n)
+    if SPLIT_K == 1:
+        acc = acc * tl.load(scale_ptr).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_n, mask=rows_n < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows_m[:, None] * stride_om + rows_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:  # out_ptr is the fp32 partial buffer [SPLIT_K, M, N]
+        tl.store(out_ptr + pid_k * m * n + rows_m[:, None] * n + rows_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, m, n, stride_om, HAS_BIAS: tl.constexpr,
+                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < m * n
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(SPLIT_K):
+        total += tl.load(partial_ptr + split * m * n + index, mask=inside, other=0.0)
+    total = total * tl.load(scale_ptr).to(tl.float32)
+    row = index // n
+    col = index % n
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_n, mask=rows_n < n, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows_m[:, None] * stride_om + rows_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows_m[:, None] < m) & (rows_n[None, :] < n))
+        total += tl.load(bias_ptr + col, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def launch_config(block_m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for a tile of `block_m` rows: narrow tiles of N, so that even N = 4096
-    gives two programs per SM of an H100/H200, each with several tiles of fp8 bytes in flight; K's tile shrinks as
-    M's grows, to keep the activations' tiles in shared memory."""
-    return 16, {16: 512, 32: 256}.get(block_m, 128), 4, 4
+def launch_config(block_m: int, n: int, k: int, programs_wanted: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) for a tile of `block_m` rows against [N, K]: 64 of W's rows per
+    program, K's tile shrinking as M's grows (the activations' tiles stay in shared memory), and K split until
+    about `programs_wanted` programs run (two per SM), each run at least four tiles long."""
+    block_n, block_k = 64, {16: 256, 32: 128}.get(block_m, 64)
+    column_programs = triton.cdiv(n, block_n)
+    split_k = max(1, min(triton.cdiv(programs_wanted, column_programs), k // (4 * block_k)))
+    return block_n, block_k, 4, 4, split_k
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (16-bit, M <= LARGEST_BLOCK_M) @ (scale * weight [N, K] e4m3)^T (+ bias [N]) -> [M, N] in x's dtype;
-    `scale` a one-element fp32 tensor; `config` (BLOCK_N, BLOCK_K, warps, stages) in place of `launch_config`'s."""
+    `scale` a one-element fp32 tensor; `config` (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) in place of
+    `launch_config`'s."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1:
@@ -79,9 +117,17 @@ def fp8_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if m == 0:
         return out
     block_m = max(16, triton.next_power_of_2(m))
-    block_n, block_k, warps, stages = config or launch_config(block_m)
-    _fp8_rows_matmul_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, WIDE=INTERPRETED, BLOCK_M=block_m, BLOCK_N=block_n,
+    block_n, block_k, warps, stages, split_k = config or launch_config(block_m, n, k, _programs_wanted(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty run
+    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else scale
+    _fp8_rows_matmul_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, scale, bias_arg, target, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, WIDE=INTERPRETED, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, scale, bias_arg, out, m, n, out.stride(0),
+                                                          HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block)
     return out

@@ -16,6 +16,7 @@ from trl_turbo.bench.decode_profile import (
     format_profile,
     kernel_totals,
     summarize,
+    uneven_kernels,
     waves,
 )
 
@@ -86,3 +87,8 @@ def test_the_decode_steps_are_the_whole_generation_less_its_first_token():
     prefill = [("flash_fwd_splitkv", 300.0, 4), ("nvjet_gemm", 1000.0, 30), ("prefill_only_kernel", 50.0, 1)]
     decode = decode_kernels(whole, prefill)
     assert decode == [("flash_fwd_splitkv", 600.0, 36), ("nvjet_gemm", 4000.0, 270), ("rms_norm", 30.0, 12)]
+
+
+def test_kernels_not_launched_a_whole_number_of_times_per_step_are_named():
+    decode = [("nvjet_gemm", 4000.0, 270), ("prefill_gemm_m4096", 900.0, 7), ("flash_fwd", 600.0, 36)]
+    assert uneven_kernels(decode, steps=9) == {"prefill_gemm_m4096": pytest.approx(0.1)}

@@ -57,8 +57,13 @@ def test_the_rows_kernel_reads_strided_activations_and_refuses_what_it_cannot_ti
     x, weight, scale, _ = _inputs(8, 40, 64)
     wide = torch.zeros(64, 8, dtype=x.dtype, device=DEVICE)
     wide.copy_(x.T)
-    torch.testing.assert_close(fp8_rows_matmul(wide.T, weight, scale), fp8_rows_matmul(x, weight, scale),
-                               rtol=0, atol=0)  # a transposed view gives the same bits as its contiguous copy
+    expected = fp8_rows_matmul(x, weight, scale)
+    # a transposed view (copied first) and rows of a wider tensor (read in place) give the same bits
+    assert torch.equal(fp8_rows_matmul(wide.T, weight, scale), expected)
+    padded = torch.zeros(8, 72, dtype=x.dtype, device=DEVICE)
+    padded[:, :64] = x
+    assert padded[:, :64].stride() == (72, 1)
+    assert torch.equal(fp8_rows_matmul(padded[:, :64], weight, scale), expected)
     with pytest.raises(ValueError, match="unit column stride"):
         fp8_rows_matmul(x, weight.T.contiguous().T, scale)
     big, _, _, _ = _inputs(LARGEST_BLOCK_M + 1, 40, 64)
@@ -91,6 +96,13 @@ def test_the_reference_rounds_once_from_fp32():
     assert torch.equal(reference(x, weight, scale, b), exact.float().to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [6, MAX_ROWS + 2])
+def test_the_ops_fake_agrees_with_it_for_compilers(rows):
+    x, weight, scale, b = _inputs(rows, 32, 48, bias=True)
+    torch.library.opcheck(torch.ops.trl_turbo.fp8_linear.default, (x, weight, scale, b),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 def test_the_op_is_opaque_to_a_compiled_graph():
     x, weight, scale, b = _inputs(6, 32, 48, bias=True)
 
@@ -118,3 +130,15 @@ def test_the_rows_kernel_is_exact_where_every_product_and_sum_is_representable(m
     # 16-wide tiles of N and K: K = 37 in three runs of 16, 16 and 5 columns, added by the second kernel
     assert torch.equal(fp8_rows_matmul(x, weight, scale, bias, config=(16, 16, 4, 2, split_k)), expected)
     assert torch.equal(fp8_rows_matmul(x, weight, scale, bias), expected)  # the launch's own configuration
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with e4m3 (Ada, Hopper)")
+def test_larger_batches_are_w8a8_with_rows_quantized_as_vllm_does():
+    x, weight, scale, b = _inputs(200, 256, 512, bias=True)
+    row_scale = (x.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp(min=1 / (448.0 * 512))
+    rows = (x.float() / row_scale).clamp(-448, 448).to(FP8_DTYPE).float() * row_scale
+    emulated = rows @ (weight.float() * scale).T + b.float()
+    result = torch.ops.trl_turbo.fp8_linear(x, weight, scale, b)
+    torch.testing.assert_close(result.float(), emulated, rtol=2**-7, atol=1e-3)

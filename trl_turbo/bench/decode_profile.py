@@ -109,6 +109,13 @@ def decode_kernels(whole: Iterable[tuple[str, float, int]],
     return decode
 
 
+def uneven_kernels(decode: Iterable[tuple[str, float, int]], steps: int) -> dict[str, float]:
+    """ms per step of the decode kernels whose launches are not a whole number per step. Every decode step launches
+    the same kernels, so these are what the subtraction could not match: a prefill kernel whose name depends on the
+    rows it ran with (chunked prefill mixes decode rows in), charged to the decode steps."""
+    return {name[:160]: us / 1e3 / max(1, steps) for name, us, launches in decode if launches % max(1, steps)}
+
+
 @contextlib.contextmanager
 def sampling_engine(trainer: Any) -> Iterator[Any]:
     """The engine ready to sample from the live policy as a training generation would, for the block; yields
@@ -156,8 +163,10 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
     if not totals[0]:
         raise RuntimeError("the profiler saw no GPU kernel: the engine runs in another process "
                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it in this one)")
-    return {**summarize(decode_kernels(*totals), steps=(tokens - 1) * rounds, wall_s=max(0.0, wall_s)),
-            "waves": rounds}
+    decode = decode_kernels(*totals)
+    steps = (tokens - 1) * rounds
+    return {**summarize(decode, steps=steps, wall_s=max(0.0, wall_s)), "waves": rounds,
+            "uneven_kernels": uneven_kernels(decode, steps)}
 
 
 def probe_prompts(batch: int, prompt_len: int) -> list[dict[str, Any]]:

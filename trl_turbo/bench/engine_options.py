@@ -24,7 +24,7 @@ from typing import Any
 from ..planning.roofline import Generation, decode_weight_bytes, rank_kv_bytes_per_token
 from ..vllm import fp8_kernel
 from .decode_profile import format_profile, measure, probe_prompts
-from .gpu_children import child_main, run_jobs
+from .gpu_children import child_main, run_jobs, save_row
 from .results import DEFAULT_RESULTS_DIR
 from .roofline import shape_spec
 
@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> Path:
     rows = run_jobs("trl_turbo.bench.engine_options", [{**common, "name": name, "option": name} for name in names],
                     ["0"], args.job_timeout)
     spec = shape_spec(args.shape, None)
+    for name, row in zip(names, rows):
+        row["name"] = name  # a job that never ran has no name of its own
     by_name = {row["name"]: row for row in rows}
     for row in rows:
         option = OPTIONS[row["name"]]
@@ -212,6 +214,7 @@ def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
         for batch in spec["batches"]:
             summary = measure(llm, probe_prompts(batch, context), spec["tokens"])
             row["cells"].append({"batch": batch, "context": context, **summary})
+            save_row(spec, row)  # a timeout keeps the cells measured so far
             print(f"{spec['option']}, context {context}: " + format_profile(batch, summary), flush=True)
 
 

@@ -7,8 +7,9 @@ the choice is made inside one opaque op rather than in traced Python:
   (`kernels.fp8_rows_matmul`) reads the fp8 weight once, the step's floor; nothing quantizes the activations.
 - larger batches (prefill): vLLM's W8A8 arithmetic. The activations are quantized per row to e4m3 under a dynamic
   scale (amax / 448, as vLLM's per-token quantization) and `torch._scaled_mm` multiplies on the fp8 tensor cores.
-Where fp8 tensor-core products are not available (CPU) the large-batch path is the reference: the dequantized weight
-in fp32. Where Triton cannot run, decode-sized batches take the reference too (`backend.TritonOrTorch`).
+Where fp8 tensor-core products are not available (CPU, GPUs before Ada) the large-batch path is the reference: the
+dequantized weight in fp32. Where Triton cannot run (`backend.TritonOrTorch`) or has no e4m3 (before Ada),
+decode-sized batches take the reference too.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def _rowwise_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return out if bias is None else out + bias
 
 
-def _fp8_tensor_cores(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def _fp8_capable(device: torch.device) -> bool:
+    """e4m3 in hardware (Ada, Hopper and later): Triton's conversions and torch's fp8 products need it; the CPU
+    interpreter converts in software."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @torch.library.custom_op("trl_turbo::fp8_linear", mutates_args=())
@@ -58,9 +61,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] 16-bit @ (scale * weight [N, K] e4m3)^T (+ bias [N]) -> [M, N] in x's dtype; `scale` one fp32
     element."""
-    if x.shape[0] <= MAX_ROWS and _backend.use_triton(x.device):
+    if x.shape[0] <= MAX_ROWS and _backend.use_triton(x.device) and _fp8_capable(x.device):
         return _triton_fp8_rows.fp8_rows_matmul(x, weight, scale, bias)
-    if x.shape[0] > MAX_ROWS and _fp8_tensor_cores(x.device):
+    if x.shape[0] > MAX_ROWS and x.device.type == "cuda" and _fp8_capable(x.device):
         return _rowwise_fp8(x, weight, scale, bias)
     return reference(x, weight, scale, bias)
 

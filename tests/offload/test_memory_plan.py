@@ -471,3 +471,70 @@ def test_auto_without_tiles_still_installs_the_kept_layers_mlp(tmp_path):
     mlps = [layer.mlp for layer in trainer.model.get_base_model().model.layers]
     forwards = [mlp.__dict__.get("forward") for mlp in mlps]
     assert all(isinstance(f, TiledMLPForward) and f.tile_tokens is None for f in forwards)
+
+
+# ------------------------------------------------------------------------------------------------ under FSDP2
+def _sharded_planner(monkeypatch, model: torch.nn.Module, layers: int):
+    """A planner over `model` whose parameters read as sharded over two ranks (as FSDP2's DTensors over a shard
+    group of two would)."""
+    from trl_turbo.offload import memory_plan
+
+    monkeypatch.setattr(memory_plan, "shard_group_size", lambda parameter: 2)
+    return memory_plan.MemoryPlanner(layer_count=layers, parameters=model.parameters, can_offload=True)
+
+
+@pytest.mark.parametrize("full_finetuning", [False, True])
+def test_the_forecast_and_the_live_planner_reserve_the_same_gathered_bytes(monkeypatch, full_finetuning):
+    """The forecast counts from the shape, the planner from the live parameters; they must agree. accelerate keeps
+    FSDP2's trainable shards in fp32 (here: every weight under full fine-tuning, the adapter with LoRA), and both
+    count them at the 16 bits FSDP2 gathers them in."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_turbo.planning.model_spec import model_spec
+    from trl_turbo.planning.run import gathered_model_bytes
+    from trl_turbo.planning.shapes import build_config
+
+    config = build_config("tiny")
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    if full_finetuning:
+        model = model.float()  # every parameter trains: accelerate upcasts its shards
+        spec = model_spec(config)
+    else:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.float()  # the adapter in fp32
+        spec = model_spec(config, lora_r=4)
+    from trl_turbo.offload import memory_plan
+
+    layers = spec.layers
+    planner = _sharded_planner(monkeypatch, model, layers)
+    live = planner._sharded_reserve()
+    assert live > 0
+    assert live == memory_plan.sharded_reserve_bytes(gathered_model_bytes(spec), layers)
+
+
+def test_a_peak_that_fills_the_sharded_reserve_is_not_a_miss(monkeypatch):
+    from trl_turbo.offload import memory_plan
+
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    planner = _sharded_planner(monkeypatch, model, layers=2)
+    reserve = planner._sharded_reserve()
+    assert reserve == memory_plan.SHARDED_RESERVE_LAYERS * (64 * 64 + 64) * 2 // 2
+    plan = LayerPlan(2, 0, 1, 0, 1 << 20, 4 << 20, 100 << 20, 1024)
+    assert plan.predicted_peak_bytes == 100 << 20 and plan.kept_layers
+    # gathered parameters may fill the reserve: no miss, no wider reserve
+    assert planner.observe_peak([plan], (100 << 20) + reserve) is None and planner.extra_reserve_bytes == 0
+    message = planner.observe_peak([plan], (100 << 20) + reserve + 4096)
+    assert message is not None and planner.extra_reserve_bytes == 4096
+
+
+def test_shards_that_are_whole_on_each_rank_gather_nothing_and_reserve_nothing(monkeypatch):
+    """HSDP whose shard groups are single ranks (each rank a whole replica): nothing is gathered, no reserve."""
+    from trl_turbo.offload import memory_plan
+
+    monkeypatch.setattr(memory_plan, "shard_group_size", lambda parameter: 1)
+    planner = memory_plan.MemoryPlanner(layer_count=2, parameters=torch.nn.Linear(8, 8).parameters,
+                                        can_offload=True)
+    assert planner._sharded_reserve() == 0 and planner.sharded_reserve == 0  # decided once sharded

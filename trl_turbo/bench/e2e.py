@@ -544,9 +544,12 @@ def run_child(spec: dict[str, Any], timeout_s: float, devices: list[str] | None 
         rows = [json.loads(path.read_text()) for path in row_paths if path.exists()]
         if len(rows) == processes:
             row = merge_ranks(rows)
-        else:
+        else:  # a rank failed and its launcher stopped the others: the failed rank's row says why
+            missing = f"{processes - len(rows)} of {processes} ranks wrote no result"
+            failed = next((rank_row for rank_row in rows if not rank_row.get("ok")), {})
             row = {"variant": spec["variant"], "ok": False,
-                   "error": failure or f"{processes - len(rows)} of {processes} ranks wrote no result"}
+                   **{key: failed[key] for key in ("oom_message", "traceback", "timeline") if key in failed},
+                   "error": f"{failed['error']} ({missing})" if failed.get("error") else (failure or missing)}
     row["launch"] = spec["launch"]
     if failure:  # e.g. a crash at interpreter exit after the measurement was written, or a timeout mid-run
         row["error"] = failure if row.get("ok") else f"{failure}: {row.get('error')}"
@@ -833,11 +836,14 @@ def child_main(spec_path: str, run_child: Callable[[dict[str, Any]], dict[str, A
     """A variant's child: measure the row of the spec at `spec_path` with `run_child` and save it where the driver
     reads it."""
     spec = json.loads(Path(spec_path).read_text())
-    _row_path(spec).write_text(json.dumps(run_child(spec)))
+    row = run_child(spec)
+    _row_path(spec).write_text(json.dumps(row))
     sys.stdout.flush()
     sys.stderr.flush()
-    # The measurement is saved; skip interpreter teardown, where an in-process vLLM engine can hang on exit.
-    os._exit(0)
+    # The measurement is saved; skip interpreter teardown, where an in-process vLLM engine can hang on exit. A rank
+    # that failed exits non-zero, so that its launcher stops the other ranks (else they wait in a collective).
+    failed_rank = not row.get("ok") and int(os.environ.get("WORLD_SIZE", 1)) > 1
+    os._exit(1 if failed_rank else 0)
 
 
 if __name__ == "__main__":

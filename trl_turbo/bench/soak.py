@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -209,7 +210,10 @@ def run(args: argparse.Namespace) -> None:
         else:  # each rank writes its trace (`child_main`)
             command = [*launch_command(args.launch, args.processes, module="trl_turbo.bench.soak"), tmp,
                        str(args.steps), str(args.completion_len), str(args.vllm_tp)]
-            process = run_launch(command, timeout=None, env=fresh_rendezvous_env(), capture=False)
+            try:
+                process = run_launch(command, timeout=args.timeout, env=fresh_rendezvous_env(), capture=False)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"the soak's ranks did not finish within {args.timeout:.0f} s") from None
             paths = [Path(tmp, f"trace{rank}.json") for rank in range(args.processes)]
             if process.returncode or not all(path.exists() for path in paths):
                 raise SystemExit(f"the soak's ranks exited with {process.returncode}; "
@@ -253,6 +257,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="1gpu, or one of TRL's accelerate configs (fsdp2): one trace per rank")
     parser.add_argument("--processes", type=int, default=2, help="GPUs of a --launch other than 1gpu")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size (under FSDP2)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a launched soak is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)
 

@@ -161,9 +161,15 @@ def reserve_margin(total_bytes: int, extra_reserve_bytes: int = 0) -> int:
 
 
 def sharded_reserve_bytes(model_bytes: int, layer_count: int) -> int:
-    """What a planner under FSDP2 keeps free besides its margin, for a model of `model_bytes` (whole, as gathered)
-    over `layer_count` decoder layers (`SHARDED_RESERVE_LAYERS`)."""
+    """What a planner under FSDP2 keeps free besides its margin, for a model of `model_bytes` (whole, as gathered:
+    `gathered_bytes`) over `layer_count` decoder layers (`SHARDED_RESERVE_LAYERS`)."""
     return SHARDED_RESERVE_LAYERS * (model_bytes // max(1, layer_count))
+
+
+def gathered_bytes(numel: int, element_size: int) -> int:
+    """A parameter's bytes as FSDP2 gathers it: in the 16-bit compute dtype of its mixed-precision policy, whatever
+    its shard is stored in (accelerate keeps trainable shards in fp32)."""
+    return numel * min(element_size, 2)
 
 
 def spendable(free_bytes: int, free_under_ceiling: int | None, total_bytes: int,
@@ -314,7 +320,7 @@ class MemoryPlanner:
             groups = [shard_group_size(p) for p in parameters]
             if not any(groups):  # not sharded (yet: the planner may be built before FSDP2 wraps the model)
                 return 0
-            whole = sum(p.numel() * p.element_size() for p in parameters)  # a DTensor's numel is the whole tensor's
+            whole = sum(gathered_bytes(p.numel(), p.element_size()) for p in parameters)  # a DTensor's numel is whole
             self.sharded_reserve = sharded_reserve_bytes(whole, self.layer_count) if max(groups) > 1 else 0
         return self.sharded_reserve
 
@@ -386,12 +392,15 @@ class MemoryPlanner:
         return self.current.mode(index - 1)
 
     def observe_peak(self, plans: list[LayerPlan], peak_bytes: int) -> str | None:
-        """After a micro-step: compare the measured device peak with the largest prediction of its `plans`; on a
-        miss, widen the reserve of later plans by the excess. Returns a message the first time (None otherwise)."""
+        """After a micro-step: compare the measured device peak with the largest prediction of its `plans` (plus the
+        sharded reserve, which gathered parameters may fill); on a miss, widen the reserve of later plans by the
+        excess. Returns a message the first time (None otherwise)."""
         predicted = max((p.predicted_peak_bytes for p in plans if p.predicted_peak_bytes >= 0), default=-1)
         if predicted < 0 or not any(p.kept_layers for p in plans):
             return None
-        excess = peak_bytes - predicted
+        # under FSDP2 the peak also holds the gathered layers and root parameters the sharded reserve keeps room
+        # for: not a miss of the activations' plan
+        excess = peak_bytes - predicted - (self.sharded_reserve or 0)
         if excess <= 0:
             return None
         self.extra_reserve_bytes += excess

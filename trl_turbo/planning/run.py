@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import MemoryPlanMode, SamplingMode, Settings
 from ..distributed import Strategy, detect_strategy
-from ..offload.memory_plan import sharded_reserve_bytes
+from ..offload.memory_plan import gathered_bytes, sharded_reserve_bytes
 from ..run_plan import RunPlan
 from ..run_plan import forecast as forecast_plan
 from ..vllm.engine_plan import EngineFacts
@@ -185,6 +185,12 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     return _EngineMemory(weights, kv_cache, workspace)
 
 
+def gathered_model_bytes(spec: ModelSpec) -> int:
+    """The whole model as FSDP2 gathers it (`memory_plan.gathered_bytes`): its 16-bit weights and its adapter in 16
+    bits, what the live planner counts over the sharded model's parameters."""
+    return spec.weight_bytes(False) + gathered_bytes(spec.lora_parameters, 4)
+
+
 def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
                  quantized_4bit: bool = False, nested_4bit: bool = True, prompt_tokens: int = 256,
                  completion_tokens: int | None = None, stock: bool = False) -> RunForecast:
@@ -208,7 +214,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     if processes > 1:
         shards = tp if shared else processes
         layer_bytes = weights // max(1, spec.layers)  # gathered in the 16-bit compute dtype
-        sharded_reserve = sharded_reserve_bytes(weights + adapter, spec.layers) if shards > 1 else 0
+        sharded_reserve = sharded_reserve_bytes(gathered_model_bytes(spec), spec.layers) if shards > 1 else 0
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
         gathered = 2 * layer_bytes if shards > 1 else 0  # the layer computing and the one prefetched

@@ -98,7 +98,8 @@ SCRIPT = textwrap.dedent(
         kept = planner.current.kept_layers if planner is not None else -1
         # the planner's reserve for FSDP2's gathered layers, beyond the margin of an unsharded model
         reserve = planner.last_budget[2] - reserve_margin(1 << 40) if planner is not None else -1
-        whole = sum(p.numel() * p.element_size() for p in model.parameters())  # DTensors count whole
+        # DTensors count whole; the reserve counts them as a bf16 mixed-precision policy gathers them, in 16 bits
+        whole = sum(p.numel() * min(p.element_size(), 2) for p in model.parameters())
         return loss.item(), grads, gathers[0], moved, tiles[0], kept, reserve, whole
 
 

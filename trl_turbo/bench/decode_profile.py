@@ -36,6 +36,7 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
 )
 OTHER = "other elementwise"
 PROBE_TOKENS = 128  # tokens each profiled generation samples
+PROBE_CONTEXT = 16  # its prompts' default length: short, so attention reads little
 TOP = 4  # kernels listed per class, the longest first
 _PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES)
 
@@ -174,7 +175,8 @@ def probe_prompts(batch: int, prompt_len: int) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": [3 + (7 * i + j) % 50 for j in range(prompt_len)]} for i in range(batch)]
 
 
-def probe(trainer: Any, batches: Sequence[int], *, tokens: int = PROBE_TOKENS, prompt_len: int = 16) -> dict[str, Any]:
+def probe(trainer: Any, batches: Sequence[int], *, tokens: int = PROBE_TOKENS,
+          prompt_len: int = PROBE_CONTEXT) -> dict[str, Any]:
     """Profile the decode steps of one `tokens`-token generation of each batch size in `batches`, after prompts of
     `prompt_len` tokens, through the trainer's engine."""
     generation = trainer.vllm_generation

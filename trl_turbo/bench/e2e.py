@@ -108,7 +108,6 @@ def wordlevel_tokenizer(vocab_size: int) -> Any:
 
 # How every variant loads the checkpoint. No `quantization_config`: `prepare_checkpoint` saves a 4-bit run's
 # checkpoint already quantized, and transformers refuses a second, dict-typed config for it.
-PROFILE_CONTEXT = 16  # the decode profile's default prompt length: short, so attention reads little
 MODEL_INIT_KWARGS = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
 
 
@@ -366,8 +365,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
         row["sampling"] = None if engine is None or engine.sampling is None else engine.sampling.value
 
     def profile_decode(trainer: Any, row: dict[str, Any]) -> None:
-        row["decode_profile"] = decode_profile.probe(trainer, spec["profile_decode"],
-                                                     prompt_len=spec.get("profile_context", PROFILE_CONTEXT))
+        context = spec.get("profile_context", decode_profile.PROBE_CONTEXT)
+        row["decode_profile"] = decode_profile.probe(trainer, spec["profile_decode"], prompt_len=context)
 
     return measure(spec, device, build, describe, new_row(spec, **cap),
                    after=profile_decode if spec.get("profile_decode") else None)
@@ -818,7 +817,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile-decode", type=_batch_sizes, default=[], metavar="N,N",
                         help="after its steps, profile a short generation of each batch size through each TRL "
                              "variant's engine (kernel time by class per decode step; `decode_profile`)")
-    parser.add_argument("--profile-context", type=int, default=PROFILE_CONTEXT, metavar="TOKENS",
+    parser.add_argument("--profile-context", type=int, default=decode_profile.PROBE_CONTEXT, metavar="TOKENS",
                         help="the profiled generations' prompt length: their decode steps run at this context")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

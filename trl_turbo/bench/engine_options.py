@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..planning.roofline import Generation, decode_weight_bytes, rank_kv_bytes_per_token
+from ..planning.roofline import Generation, decode_bytes
 from ..vllm import fp8_kernel
 from .decode_profile import format_profile, measure, probe_prompts
 from .gpu_children import child_main, run_jobs, save_row
@@ -68,13 +68,11 @@ GREEDY_TOKENS = 64
 
 def step_floor_s(spec: Any, option: EngineOption, batch: int, context: int, tokens: int,
                  read_bytes_per_s: float) -> float:
-    """The floor of one decode step at `batch` sequences that each hold `context` prompt tokens and on average half
-    of the `tokens` sampled after them."""
+    """The floor of one decode step of a `tokens`-token generation after prompts of `context` tokens, `batch`
+    sequences: the generation's decode bytes (`planning.roofline`) over its decode steps."""
     generation = Generation(sequences=batch, prompt_len=context, completion_len=tokens,
                             weight_dtype=option.weight_dtype, kv_bytes=option.kv_bytes)
-    cached = batch * (context + tokens / 2)
-    return (decode_weight_bytes(spec, generation) + cached * rank_kv_bytes_per_token(spec, generation)) \
-        / read_bytes_per_s
+    return decode_bytes(spec, generation) / max(1, tokens - 1) / read_bytes_per_s
 
 
 def chosen(completion: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .backend import TritonOrTorch
+from .merge_fp8 import FP8_DTYPE, FP8_MAX
 
 try:
     from ..kernels import fp8_rows_matmul as _triton_fp8_rows
@@ -24,9 +25,7 @@ except ImportError:  # no Triton: the reference serves every batch
     _triton_fp8_rows = None
 
 MAX_ROWS = 64  # decode-sized: a GRPO generation's live sequences per step
-FP8_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
-_MIN_SCALE = 1.0 / (_FP8_MAX * 512.0)  # vLLM's floor of a dynamic activation scale: a zero row stays finite
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor of a dynamic activation scale: a zero row stays finite
 
 _backend = TritonOrTorch(_triton_fp8_rows)
 _force_backend = _backend.force  # tests: "triton" or "torch" regardless of device
@@ -43,8 +42,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _rowwise_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    row_scale = (x.abs().amax(dim=1, keepdim=True).float() / _FP8_MAX).clamp_(min=_MIN_SCALE)
-    x_fp8 = (x.float() / row_scale).clamp_(-_FP8_MAX, _FP8_MAX).to(FP8_DTYPE)
+    row_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_(min=_MIN_SCALE)
+    x_fp8 = (x.float() / row_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     weight_scale = scale.float().reshape(1, 1).expand(1, weight.shape[0]).contiguous()
     out = torch._scaled_mm(x_fp8, weight.T, scale_a=row_scale, scale_b=weight_scale, out_dtype=x.dtype)
     return out if bias is None else out + bias

@@ -185,10 +185,10 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     return _EngineMemory(weights, kv_cache, workspace)
 
 
-def gathered_model_bytes(spec: ModelSpec) -> int:
-    """The whole model as FSDP2 gathers it (`memory_plan.gathered_bytes`): its 16-bit weights and its adapter in 16
-    bits, what the live planner counts over the sharded model's parameters."""
-    return spec.weight_bytes(False) + gathered_bytes(spec.lora_parameters, 4)
+def gathered_model_bytes(spec: ModelSpec, quantized_4bit: bool = False, nested_4bit: bool = True) -> int:
+    """The whole model as FSDP2 gathers it (`memory_plan.gathered_bytes`): its weights as stored (16-bit, or packed
+    4-bit) and its fp32 adapter in 16 bits, what the live planner counts over the sharded model's parameters."""
+    return spec.weight_bytes(quantized_4bit, nested_4bit) + gathered_bytes(spec.lora_parameters, 4)
 
 
 def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,
@@ -214,7 +214,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     if processes > 1:
         shards = tp if shared else processes
         layer_bytes = weights // max(1, spec.layers)  # gathered in the 16-bit compute dtype
-        sharded_reserve = sharded_reserve_bytes(gathered_model_bytes(spec), spec.layers) if shards > 1 else 0
+        whole = gathered_model_bytes(spec, quantized_4bit, nested_4bit)
+        sharded_reserve = sharded_reserve_bytes(whole, spec.layers) if shards > 1 else 0
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
         gathered = 2 * layer_bytes if shards > 1 else 0  # the layer computing and the one prefetched

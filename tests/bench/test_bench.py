@@ -454,3 +454,16 @@ def test_e2e_turbo_set_refuses_what_a_variant_sets_itself():
                               "--turbo-set", "turbo_memory_plan=auto"])
     with pytest.raises(SystemExit, match="turbo-min"):
         e2e.run(args)
+
+
+def test_e2e_never_reports_a_warm_up_step_as_timed():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit, match="leaves no timed step"):
+        e2e.run(parser.parse_args(["e2e", "--shape", "tiny", "--steps", "1", "--warmup", "1"]))
+    # a variant stopped after its warm-up keeps its peak, and no median of an untimed step
+    steps = [{"step_s": 45.0, "generate_s": 20.0, "sync_s": 0.1, "peak_gib": 30.0}]
+    summary = e2e.summarize(steps, warmup=1)
+    assert summary["peak_gib"] == 30.0 and summary["step_s"] is None and summary["generate_s"] is None

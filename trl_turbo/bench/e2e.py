@@ -480,8 +480,9 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
 
 
 def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """Medians over the steps after ``warmup``; the peak is the largest of any step, warm-up included."""
-    timed = steps[warmup:] or steps
+    """Medians over the steps after ``warmup`` (None while there is none: a warm-up step is never reported as
+    timed); the peak is the largest of any step, warm-up included."""
+    timed = steps[warmup:]
     summary: dict[str, Any] = {"peak_gib": max((s["peak_gib"] for s in steps), default=None)}
     for key in ("step_s", "generate_s", "sync_s", "generation_peak_gib", "train_peak_gib"):
         values = [s[key] for s in timed if key in s]
@@ -563,6 +564,9 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps {args.steps} with --warmup {args.warmup} leaves no timed step: --steps counts the "
+                         "warm-up steps too, so ask for at least --warmup + 1")
     overrides = parse_turbo_overrides(args.turbo_set)
     for variant in variants:
         clash = sorted(set(overrides) & set(VARIANT_CONFIG.get(variant, {})))
@@ -792,7 +796,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (preset's if unset)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--completion-len", type=int, default=None, help="completion tokens (preset's if unset)")
-    parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant")
+    parser.add_argument("--steps", type=int, default=3, help="GRPO steps per variant, the warm-up steps included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     parser.add_argument("--variants", default="stock,turbo", help=f"comma-separated, among {','.join(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0)

@@ -158,3 +158,42 @@ def test_ddp_skips_the_unused_parameter_search_only_where_every_adapter_trains()
     assert not every_parameter_trains_each_step(config(), llama, LoraConfig(r=4, modules_to_save=["lm_head"]))
     gpt2 = types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2"))
     assert not every_parameter_trains_each_step(config(), gpt2, lora)  # not a listed family
+
+
+def test_fsdp2_full_fine_tuning_reduces_gradients_each_micro_batch(monkeypatch):
+    """Under FSDP2 a full fine-tuning with gradient accumulation asks accelerate to reduce-scatter after every
+    micro-batch (no whole 16-bit gradients held across them); an adapter, one micro-batch, another strategy or a
+    value the user set is left alone. The Trainer reads the setting from the config it is given."""
+    from peft import LoraConfig
+    from accelerate.utils import GradientAccumulationPlugin
+    from trl import GRPOConfig
+
+    from trl_turbo.run_plan import reduces_gradients_each_micro_batch
+    from trl_turbo.testing.models import tiny_model
+
+    model = tiny_model("llama", vocab_size=64)
+
+    def config(**fields):
+        return GRPOConfig(**{"output_dir": "unused", "use_cpu": True, "bf16": False, "gradient_accumulation_steps": 4,
+                             **fields})
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert not reduces_gradients_each_micro_batch(config(), model, None)  # one process, no FSDP2
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert reduces_gradients_each_micro_batch(config(), model, None)
+    assert not reduces_gradients_each_micro_batch(config(), model, LoraConfig(r=4))
+    assert not reduces_gradients_each_micro_batch(config(gradient_accumulation_steps=1), model, None)
+    user = config(accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": False}})
+    assert not reduces_gradients_each_micro_batch(user, model, None)
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    assert not reduces_gradients_each_micro_batch(config(), model, None)
+
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    import trl
+
+    chosen = config(accelerator_config={"gradient_accumulation_kwargs": {"adjust_scheduler": False}})
+    run_plan.begin(trl.GRPOTrainer, chosen, model, None)
+    kwargs = chosen.accelerator_config.gradient_accumulation_kwargs
+    assert kwargs == {"adjust_scheduler": False, "sync_each_batch": True}
+    assert GradientAccumulationPlugin(**kwargs, num_steps=1).sync_each_batch  # as Trainer builds its plugin

@@ -92,7 +92,11 @@ def test_kv_budget_sizes_a_rank_cache_for_the_sequences_it_is_handed(monkeypatch
 
     one_gpu = useful(1, 1, 64)
     assert one_gpu[0] == 64
-    assert useful(2, 2, 128) == (128, one_gpu[1])  # twice the sequences, half the heads each
+    # twice the sequences, half the heads each: twice the pages of 64 + 512 tokens (33 with the spare), half as large
+    # (both caches keep vLLM's one reserved page)
+    page = one_gpu[1] // (64 * 33 + 1)
+    assert one_gpu[1] == (64 * 33 + 1) * page
+    assert useful(2, 2, 128) == (128, (128 * 33 + 1) * page // 2)
     assert useful(1, 2, 128) == one_gpu  # DDP: a rank's own 64
     assert useful(1, 1, 1024)[0] == 1024 and useful(1, 1, 1024)[1] == useful(1, 1, 256)[1]  # vLLM schedules 256
 

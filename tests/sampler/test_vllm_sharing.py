@@ -242,13 +242,17 @@ def test_useful_kv_follows_the_expected_sequence_length():
     assert per_token == 128 * 1024
     # vllm_max_model_length set: every sequence may reach it
     seq_len = expected_seq_len(max_model_length=4160, max_completion_length=4096)
+    # (4160 tokens are 260 pages of 16; one spare page per sequence and vLLM's reserved page)
     assert useful_kv_cache_bytes(max_num_seqs=8, seq_len=seq_len, max_model_len=4160,
-                                 per_token_bytes=per_token) == int(1.1 * 8 * 4160 * per_token)
+                                 per_token_bytes=per_token) == (8 * 261 + 1) * 16 * per_token
+    # a length that ends inside a page takes the whole page
+    assert useful_kv_cache_bytes(max_num_seqs=8, seq_len=4161, max_model_len=8192,
+                                 per_token_bytes=per_token) == (8 * 262 + 1) * 16 * per_token
     # unset: the completion cap plus a prompt allowance, not the model's 128K context ...
     seq_len = expected_seq_len(max_model_length=None, max_completion_length=4096)
     assert seq_len == 4096 + PROMPT_ALLOWANCE_TOKENS
     assert useful_kv_cache_bytes(max_num_seqs=64, seq_len=seq_len, max_model_len=131072,
-                                 per_token_bytes=per_token) == int(1.1 * 64 * seq_len * per_token)
+                                 per_token_bytes=per_token) == (64 * (seq_len // 16 + 1) + 1) * 16 * per_token
     # ... but never less than one full-context sequence, without which vLLM refuses to start
     assert useful_kv_cache_bytes(max_num_seqs=8, seq_len=seq_len, max_model_len=131072,
                                  per_token_bytes=per_token) == 131072 * per_token

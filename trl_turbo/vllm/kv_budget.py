@@ -25,6 +25,8 @@ _MIN_MARGIN_BYTES = 2 * _GIB
 _MIN_KV_BYTES = 1 * _GIB
 # The scheduler's token budget per step that TRL's colocated engine is built with (`max_num_batched_tokens`)
 VLLM_BATCHED_TOKENS = 4096
+# vLLM's KV page (block) size for the attention backends of the families trl_turbo supports
+KV_BLOCK_TOKENS = 16
 # Prompt tokens assumed per sequence when `vllm_max_model_length` is unset (GRPO prompts are rarely longer).
 PROMPT_ALLOWANCE_TOKENS = 2048
 
@@ -64,10 +66,12 @@ def kv_bytes_per_token(*, layers: int, kv_heads: int, head_dim: int, dtype_bytes
 
 
 def useful_kv_cache_bytes(*, max_num_seqs: int, seq_len: int, max_model_len: int, per_token_bytes: int) -> int:
-    """KV memory that lets every scheduled sequence reach `seq_len` tokens (more is never used), +10%; at least one
-    sequence of `max_model_len` tokens, the least vLLM starts with."""
-    expected = 1.1 * max_num_seqs * min(seq_len, max_model_len)
-    return int(max(expected, max_model_len) * per_token_bytes)
+    """KV memory that lets every scheduled sequence reach `seq_len` tokens (more is never used): each sequence's
+    pages of `KV_BLOCK_TOKENS`, rounded up, and one spare page (a scheduler that plans a step ahead holds one more
+    token), plus vLLM's one reserved page; at least one sequence of `max_model_len` tokens, the least vLLM starts
+    with."""
+    pages = max_num_seqs * (-(-min(seq_len, max_model_len) // KV_BLOCK_TOKENS) + 1) + 1
+    return max(pages * KV_BLOCK_TOKENS, max_model_len) * per_token_bytes
 
 
 def expected_seq_len(*, max_model_length: int | None, max_completion_length: int) -> int:

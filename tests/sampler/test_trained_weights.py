@@ -224,3 +224,30 @@ def test_a_generation_refreshes_copies_released_since_the_last_sync(monkeypatch)
     with session.generating(llm, state, torch.device("cpu")):
         order.append("generate")
     assert order == ["restore_weights", "restore_kv", "generate", "release"]
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_a_full_finetuning_sync_resets_the_prefix_cache_once(monkeypatch, released):
+    """The sync writes the trained parameters without TRL's push, and drops blocks cached with the old weights: itself
+    when the KV cache is mapped, and through the standby's restore (which resets it) when it is released."""
+    import types
+
+    from trl_turbo.patches import trl_vllm
+    from trl_turbo.vllm.engine_plan import EngineState
+    from trl_turbo.vllm.trained_weights import WeightCopies
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    master = torch.nn.Parameter(torch.randn(4, 3))
+    engine = torch.zeros(4, 3, dtype=torch.bfloat16)
+    state = EngineState()
+    state.full_finetuning = True
+    state.standby = _Standby(released=released)
+    state.weight_copies = WeightCopies(casts=[(master, engine)])
+    resets = []
+    generation = types.SimpleNamespace(_trl_turbo_engine=state, llm=types.SimpleNamespace(
+        reset_prefix_cache=lambda: resets.append(1)))
+    sync = trl_vllm._wrap_sync_weights(lambda self: pytest.fail("TRL's full-weight push must not run"))
+    assert sync(generation) is None
+    assert torch.equal(engine, master.detach().to(torch.bfloat16))
+    assert len(resets) == (0 if released else 1)
+    assert state.metrics["vllm/weight_sync_s"] >= 0

@@ -107,7 +107,8 @@ def _wrap_sync_weights(original):
         elif state is not None and state.full_finetuning:
             # the trained parameters are vLLM's weights; those it keeps a copy of are cast (or loaded) in place
             engine_session.sync_trained_weights(state)
-            self.llm.reset_prefix_cache()
+            if state.standby is None or not state.standby.released:  # a released standby resets it as it maps back
+                self.llm.reset_prefix_cache()
             result = None
         elif state is None or state.adapters is None:
             result = original(self)

@@ -52,8 +52,8 @@ class WeightCopies:
         """Refresh vLLM's copies (`casts_only`: the rank-local casts, without the collective reloads); returns the
         seconds it took (device synchronised)."""
         start = time.perf_counter()
-        for source, target in self.casts:
-            target.copy_(local_of(source))
+        if self.casts:  # one multi-tensor launch, not one copy per parameter
+            torch._foreach_copy_([target for _, target in self.casts], [local_of(source) for source, _ in self.casts])
         _synchronize()
         cast_done = time.perf_counter()
         batch: list[tuple[str, torch.Tensor]] = []

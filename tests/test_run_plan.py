@@ -164,8 +164,8 @@ def test_fsdp2_full_fine_tuning_reduces_gradients_each_micro_batch(monkeypatch):
     """Under FSDP2 a full fine-tuning with gradient accumulation asks accelerate to reduce-scatter after every
     micro-batch (no whole 16-bit gradients held across them); an adapter, one micro-batch, another strategy or a
     value the user set is left alone. The Trainer reads the setting from the config it is given."""
-    from peft import LoraConfig
     from accelerate.utils import GradientAccumulationPlugin
+    from peft import LoraConfig
     from trl import GRPOConfig
 
     from trl_turbo.run_plan import reduces_gradients_each_micro_batch

@@ -3,6 +3,8 @@ casts or hands weights over works on both without asking which it has."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -16,6 +18,69 @@ def whole_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (collective: every rank of its mesh calls it, in the same order), or the tensor."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else tensor
+
+
+def wholes_of(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`whole_of` of each tensor, with one all-gather for all the DTensors sharded on dim 0 over the same mesh
+    dimension (FSDP2's layout; replicated over the others, as under HSDP) instead of one per tensor. Collective:
+    every rank of the mesh calls it with the same tensors in the same order. Other DTensors go one at a time."""
+    wholes: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        key = _row_sharded_key(tensor)
+        if key is None:
+            wholes[index] = whole_of(tensor)
+        else:
+            groups.setdefault(key, []).append(index)
+    for (_, mesh_dim, _, _), indices in groups.items():
+        gathered = _gather_row_shards([tensors[i] for i in indices], mesh_dim)
+        for index, whole in zip(indices, gathered, strict=True):
+            wholes[index] = whole
+    return wholes  # type: ignore[return-value]
+
+
+def _row_sharded_key(tensor: torch.Tensor) -> tuple | None:
+    """(mesh, its sharded dimension, dtype, device) of a DTensor sharded on dim 0 along exactly one mesh dimension and
+    replicated along the others; None for anything else."""
+    placements = getattr(tensor, "placements", None)
+    mesh = getattr(tensor, "device_mesh", None)
+    if placements is None or mesh is None or tensor.dim() == 0:
+        return None
+    shards = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
+    if len(shards) != 1 or placements[shards[0]].dim != 0 or \
+            not all(p.is_replicate() for i, p in enumerate(placements) if i != shards[0]):
+        return None
+    return id(mesh), shards[0], tensor.dtype, tensor.device
+
+
+def _gather_row_shards(tensors: list[torch.Tensor], mesh_dim: int) -> list[torch.Tensor]:
+    """Whole tensors from their dim-0 shards over `mesh_dim`, in one all-gather: each rank's shards are padded to
+    the chunk size (the first ranks hold ceil(rows / ranks) rows, as `torch.chunk` splits) and laid end to end."""
+    import torch.distributed as dist
+
+    mesh = tensors[0].device_mesh
+    ranks = mesh.size(mesh_dim)
+    layouts = []  # (rows per chunk, elements per row) of each tensor
+    for tensor in tensors:
+        rows = tensor.shape[0]
+        layouts.append((-(-rows // ranks), tensor[0].numel() if rows else 0))
+    width = sum(chunk * row for chunk, row in layouts)
+    local = torch.zeros(width, dtype=tensors[0].dtype, device=local_of(tensors[0]).device)
+    offset = 0
+    for tensor, (chunk, row) in zip(tensors, layouts, strict=True):
+        shard = local_of(tensor).reshape(-1)
+        local[offset:offset + shard.numel()] = shard
+        offset += chunk * row
+    gathered = torch.empty(ranks * width, dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(gathered, local, group=mesh.get_group(mesh_dim))
+    per_rank = gathered.view(ranks, width)
+    wholes, offset = [], 0
+    for tensor, (chunk, row) in zip(tensors, layouts, strict=True):
+        rows = tensor.shape[0]
+        parts = [per_rank[r, offset:offset + max(0, min(chunk, rows - r * chunk)) * row] for r in range(ranks)]
+        wholes.append(torch.cat(parts).view(tensor.shape))
+        offset += chunk * row
+    return wholes
 
 
 def shard_group_size(tensor: torch.Tensor) -> int:

@@ -162,7 +162,16 @@ SCRIPT = textwrap.dedent(
     engine = Engine(facts, shapes)
     model, share, state = prepare(model, engine, merged=True)
     before = {name: t.clone() for name, t in engine.tensors.items()}
+    gathers = [0]
+    all_gather = dist.all_gather_into_tensor
+
+    def counting_gather(*args, **kwargs):
+        gathers[0] += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counting_gather
     state.merged.merge()  # (a forward of the training model now would restore first: its guard hook)
+    report["merge_gathers"] = gathers[0]  # every layer's LoRA factors, gathered whole at once
     report["merge_changed"] = sorted(name for name, t in engine.tensors.items() if not torch.equal(t, before[name]))
     merged_reference = reference.merge_and_unload().model.layers[1]
     q_rows = slice(rank * 32, (rank + 1) * 32)  # 2 of the 4 heads of 16 per rank
@@ -183,7 +192,9 @@ SCRIPT = textwrap.dedent(
     projections = {n: p for n, p in model.named_parameters()
                    if "lora_" not in n and hf_weight_name(n).rsplit(".", 2)[-2] in PROJECTIONS}
     base_before = {n: p.to_local().clone() for n, p in projections.items()}
+    gathers[0] = 0
     state.fp8.write()
+    report["fp8_gathers"] = gathers[0]
 
     def expected_fp8(model, layer, vllm_name):
         # the rank's rows (column-parallel) or columns (row-parallel) of W + scaling * B @ A, computed whole in
@@ -300,6 +311,7 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
         assert report["shared_bytes"] > 0 and not report["engine_nan"]
         assert report["lora_moved"] and report["base_unchanged"]
         assert report["adopted_after_refusal"] == 0
+        assert report["merge_gathers"] == report["fp8_gathers"] == 1
         assert report["merge_changed"] == sorted(f"model.layers.{i}.{n}" for i in range(2)
                                                  for n in ("self_attn.qkv_proj.weight", "mlp.down_proj.weight"))
         assert report["restored_bitwise"]

@@ -22,7 +22,8 @@ def whole_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def wholes_of(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`whole_of` of each tensor, with one all-gather for all the DTensors sharded on dim 0 over the same mesh
-    dimension (FSDP2's layout; replicated over the others, as under HSDP) instead of one per tensor. Collective:
+    dimension (FSDP2's layout; replicated over the others, as under HSDP) instead of one per tensor; those carry no
+    autograd history. Collective:
     every rank of the mesh calls it with the same tensors in the same order. Other DTensors go one at a time."""
     wholes: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
@@ -53,6 +54,7 @@ def _row_sharded_key(tensor: torch.Tensor) -> tuple | None:
     return id(mesh), shards[0], tensor.dtype, tensor.device
 
 
+@torch.no_grad()
 def _gather_row_shards(tensors: list[torch.Tensor], mesh_dim: int) -> list[torch.Tensor]:
     """Whole tensors from their dim-0 shards over `mesh_dim`, in one all-gather: each rank's shards are padded to
     the chunk size (the first ranks hold ceil(rows / ranks) rows, as `torch.chunk` splits) and laid end to end."""

@@ -37,7 +37,7 @@ import torch
 from ..ops.merge_fp8 import FP8_DTYPE, MergedShard, write_merged_fp8
 from ..sharding.dtensor import local_of
 from .host_copy import HostCopy, guard_model
-from .merge import LoraTarget, lora_targets
+from .merge import LoraTarget, factors_of, lora_targets
 from .weight_views import LayoutMismatch, SharedView, hf_weight_name
 
 # With parking: 16-bit bytes freed between two returns of torch's cached blocks to the driver while the fp8 copy is
@@ -131,10 +131,11 @@ class Fp8Sampling:
         device never holds both copies whole."""
         start = time.perf_counter()
         parked = 0
+        factors = factors_of([shard.lora for matrix in self.matrices for shard in matrix.shards])
         for matrix in self.matrices:
             if map_rows is not None:
                 map_rows(matrix.target.rows)
-            shards = [self._merged_shard(shard) for shard in matrix.shards]
+            shards = [self._merged_shard(shard, next(factors)) for shard in matrix.shards]
             write_merged_fp8(shards, matrix.target.rows, matrix.target.scale)
             del shards
             if self._parking is not None:
@@ -148,11 +149,12 @@ class Fp8Sampling:
         self.metrics["vllm/quantize_s"] = time.perf_counter() - start
         self.metrics["vllm/fp8_copy_gib"] = self.copy_bytes / 2**30
 
-    def _merged_shard(self, shard: _Shard) -> MergedShard:
+    def _merged_shard(self, shard: _Shard, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> MergedShard:
+        """The shard's base matrix with its adapter's `factors` (None: not adapted)."""
         weight = _base_matrix(shard.module, self.compute_dtype)
-        if shard.lora is None:
+        if factors is None:
             return MergedShard(weight, None, None, 1.0, shard.start)
-        b, a, scaling = shard.lora.factors()
+        b, a, scaling = factors
         return MergedShard(weight, b.detach(), a.detach(), scaling, shard.start)
 
     def unpark(self) -> None:

@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..sharding.dtensor import local_of, whole_of
+from ..sharding.dtensor import local_of, whole_of, wholes_of
 from ..sharding.tp_layout import fsdp2_chunk
 from .host_copy import HostCopy, guard_model
 
+# LoRA factors gathered whole at once under FSDP2 (one all-gather per batch)
+FACTOR_BATCH_BYTES = 64 << 20
 # fp32 scratch of one merge block: rows * in_features * 4 bytes stays under this
 _MERGE_BLOCK_BYTES = 64 << 20
 
@@ -59,17 +61,50 @@ class LoraTarget:
         b, a = layer.lora_B[self.adapter].weight, layer.lora_A[self.adapter].weight
         scaling = float(layer.scaling[self.adapter])
         base = layer.get_base_layer().weight
-        placements = getattr(base, "placements", None)
-        if placements is None:
+        if getattr(base, "placements", None) is None:
             return b, a, scaling
-        b, a = whole_of(b), whole_of(a)
-        dim = placements[-1].dim
+        return self.cut(whole_of(b), whole_of(a))
+
+    def sharded_factors(self) -> list[torch.Tensor]:
+        """The factors `factors()` gathers whole (none for a layer FSDP2 does not shard)."""
+        layer = self.layer
+        if getattr(layer.get_base_layer().weight, "placements", None) is None:
+            return []
+        return [layer.lora_B[self.adapter].weight, layer.lora_A[self.adapter].weight]
+
+    def cut(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """`factors()` from the whole factors B and A of a sharded layer."""
+        base = self.layer.get_base_layer().weight
+        scaling = float(self.layer.scaling[self.adapter])
+        dim = base.placements[-1].dim
         shards = base.device_mesh.size(base.device_mesh.ndim - 1)
         index = base.device_mesh.get_local_rank(base.device_mesh.ndim - 1)
         start, stop, _ = fsdp2_chunk(base.shape[dim], shards, index)
         return (b[start:stop], a, scaling) if dim == 0 else (b, a[:, start:stop], scaling)
 
 
+def factors_of(targets: Sequence[LoraTarget | None],
+               batch_bytes: int = FACTOR_BATCH_BYTES) -> Iterator[tuple[torch.Tensor, torch.Tensor, float] | None]:
+    """Each target's `factors()` in order (None for None), the sharded layers' factors gathered whole in batches of
+    about `batch_bytes` with one all-gather each, instead of two per layer (no autograd history). Collective: every
+    rank walks the same targets in the same order."""
+    index = 0
+    while index < len(targets):
+        batch, size = [], 0
+        while index < len(targets) and (not batch or size < batch_bytes):
+            target = targets[index]
+            batch.append(target)
+            size += sum(f.numel() * f.element_size() for f in target.sharded_factors()) if target else 0
+            index += 1
+        sharded = [f for target in batch if target is not None for f in target.sharded_factors()]
+        wholes = iter(wholes_of(sharded))
+        for target in batch:
+            if target is None:
+                yield None
+            elif target.sharded_factors():
+                yield target.cut(next(wholes), next(wholes))
+            else:
+                yield target.factors()
 
 
 def lora_targets(peft_model: Any, adapter: str) -> list[LoraTarget]:
@@ -161,8 +196,7 @@ class MergedSampling:
             raise RuntimeError("trl_turbo: the adapter is already merged into the shared weights")
         start = time.perf_counter()
         self.merged = True  # from here on a restore is owed, even if the merge stops half-way
-        for target in self.targets:
-            b, a, scaling = target.factors()
+        for target, (b, a, scaling) in zip(self.targets, factors_of(self.targets), strict=True):
             merge_into(target.weight, b, a, scaling)
         _synchronize(self.targets)
         self.metrics["vllm/merge_s"] = time.perf_counter() - start

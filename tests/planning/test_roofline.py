@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_turbo.bench.roofline import row_generation, row_roofline, shape_spec
 from trl_turbo.planning.model_spec import ModelSpec
@@ -88,3 +89,17 @@ def test_the_ceilings_are_measured_only_on_a_gpu() -> None:
     from trl_turbo.bench import hardware
 
     assert hardware.measure(torch.device("cpu")) is None
+    assert hardware.measure_apart(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_ceilings_measured_apart_leave_nothing_on_the_device() -> None:
+    from trl_turbo.bench import hardware
+
+    device = torch.device("cuda", 0)
+    torch.cuda.init()
+    before = torch.cuda.mem_get_info(device)[0]
+    ceilings = hardware.measure_apart(device)
+    assert ceilings["read_bytes_per_s"] > 1e12 and ceilings["bf16_flops_per_s"] > 1e14
+    assert abs(torch.cuda.mem_get_info(device)[0] - before) < 64 << 20  # the child's buffers left with it

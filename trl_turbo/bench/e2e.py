@@ -55,7 +55,7 @@ from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
 from . import decode_profile, parse_turbo_overrides, peers
 from .gpu_children import SINGLE_GPU, free_port, launch_command, visible_devices
-from .hardware import measure as measure_hardware
+from .hardware import measure_apart as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
 from .peers import PEER_VARIANTS
 from .results import DEFAULT_RESULTS_DIR, GIB

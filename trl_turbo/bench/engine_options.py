@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> Path:
     import torch
 
     from .e2e import prepare_checkpoint
-    from .hardware import measure as measure_hardware
+    from .hardware import measure_apart as measure_hardware
     from .results import metadata
 
     names = [name.strip() for name in args.options.split(",") if name.strip()]

@@ -4,11 +4,16 @@ Design decision: the roofline of a phase (`planning.roofline`) is only as honest
 numbers are not what a kernel reaches (an H200's 4.8 TB/s is a peak; a full-device reduction reads at less). So the
 ceilings are measured on the machine, by the simplest kernels that reach them: a reduction over a tensor of several
 GiB (reads each byte once, writes almost nothing) for bandwidth, and a large square bf16 matmul for FLOP/s, each the
-best of several timed repetitions after a warm-up.
+best of several timed repetitions after a warm-up. A benchmark driver measures in a child process of its own
+(`measure_apart`): its children's peaks count the whole device, and the driver then holds nothing beyond its CUDA
+context while they run.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -52,3 +57,19 @@ def measure(device: torch.device) -> dict[str, Any] | None:
     return {"read_bytes_per_s": READ_BYTES / read_s, "bf16_flops_per_s": 2 * MATMUL_SIZE**3 / matmul_s,
             "how": f"best of {REPEATS}: a float32-accumulated sum over {READ_BYTES >> 30} GiB of bf16; a bf16 "
                    f"{MATMUL_SIZE}x{MATMUL_SIZE} matmul"}
+
+
+def measure_apart(device: torch.device) -> dict[str, Any] | None:
+    """`measure(device)` in a child process (nothing it allocates stays on the device); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    result = subprocess.run([sys.executable, "-m", "trl_turbo.bench.hardware", str(index)], capture_output=True,
+                            text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"measuring the GPU's ceilings failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(torch.device("cuda", int(sys.argv[1])))))

@@ -54,6 +54,7 @@ def check_config(args: Any, installed: bool = True) -> None:
             raise ValueError(reason)
     _check_sizes(args, settings)
     _check_memory_features_strategy(args, settings)
+    _check_optimizer_states(args, settings)
     _check_vllm(args, settings, installed)
     _check_loss(args, settings)
 
@@ -160,6 +161,21 @@ def _check_memory_features_strategy(args: Any, settings: Settings) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _check_optimizer_states(args: Any, settings: Settings) -> None:
+    """Offloading the optimizer's states needs the torch optimizer the Trainer steps: not DeepSpeed's own, and not
+    under FSDP's parameter offload, which keeps them on the host already."""
+    if not settings.offload_optimizer_states:
+        return
+    strategy = detect_strategy(args)
+    if strategy in (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3):
+        raise ValueError(f"`turbo_offload_optimizer_states=True` moves the states of the torch optimizer the Trainer "
+                         f"steps; under {strategy.value} DeepSpeed steps its own: set `offload_optimizer: "
+                         "{device: cpu}` in the DeepSpeed config instead, or set it to False.")
+    if strategy in (Strategy.FSDP1, Strategy.FSDP2) and fsdp_offloads_params():
+        raise ValueError("`turbo_offload_optimizer_states=True` with `fsdp_offload_params: true`: FSDP keeps the "
+                         "parameters and the optimizer's states on the host already; set one of them off.")
 
 
 def liger_unavailable(args: Any) -> str | None:

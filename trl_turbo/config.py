@@ -145,6 +145,14 @@ class TurboFields:
             "the host's training processes. See docs/usage.md#offloaded-checkpoints."
         },
     )
+    turbo_offload_optimizer_states: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the optimizer's states (Adam's two moments) in pinned host memory between optimizer steps "
+            "and stream them through the device in chunks at each step: 8 bytes per trained parameter off the GPU, "
+            "for a copy each way per step. Off by default. See docs/usage.md#optimizer-states."
+        },
+    )
     turbo_tiled_mlp: bool = field(
         default=True,
         metadata={
@@ -294,6 +302,7 @@ class Settings:
     training_memory_gib: float | None
     offload_checkpoints: bool
     offload_host_budget_gib: float | None
+    offload_optimizer_states: bool
     tiled_mlp: bool
     tiled_mlp_tokens: int
     forward_token_budget: int | None

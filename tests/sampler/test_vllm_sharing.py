@@ -216,6 +216,10 @@ def test_kv_budget_is_what_is_left_after_persistent_memory():
     budget = auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=40_000_000, useful_bytes=1 << 50, **common)
     margin = 0.05 * 140 * gib
     assert budget == int(120 * gib - 15 * gib - 40_000_000 * 12 - 2 * gib - margin)
+    # with the optimizer's states on the host between steps, only the gradient stays: 8 bytes a parameter more
+    on_host = auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=40_000_000, useful_bytes=1 << 50,
+                                  states_on_host=True, **common)
+    assert on_host == budget + 40_000_000 * 8
     assert auto_kv_cache_bytes(free_bytes=120 * gib, trainable_params=0, useful_bytes=gib, **common) == gib
     with pytest.raises(ValueError, match="Not enough device memory"):
         auto_kv_cache_bytes(free_bytes=20 * gib, trainable_params=0, useful_bytes=1 << 50, **common)

@@ -32,6 +32,7 @@ class MemoryPolicy:
     ceiling: CeilingSource
     ceiling_gib: float | None  # with CeilingSource.USER
     forward_token_budget: int | None  # None: micro-batches are never split
+    optimizer_states_offload: bool = False  # the optimizer's states wait in pinned host memory between steps
     why_off: tuple[str, ...] = ()  # why requested features stay off in this run
 
 
@@ -69,5 +70,6 @@ def plan_memory(settings: Settings, *, gradient_checkpointing: bool, strategy_re
         ceiling=ceiling,
         ceiling_gib=settings.training_memory_gib,
         forward_token_budget=None if off else settings.forward_token_budget,
+        optimizer_states_offload=settings.offload_optimizer_states,
         why_off=tuple(why_off),
     )

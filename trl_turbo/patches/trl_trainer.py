@@ -20,6 +20,9 @@ Seams (all looked up by TRL at call time, so setting them is enough; nothing of 
   present, else from the training forward's detached log-probs, and logs TRL's sampling metrics. The raw ratio
   diagnostics (`losses.importance_sampling_diagnostics`) are logged from the loss on every step, whoever computed
   the ratio.
+- `GRPOTrainer.create_scheduler` (transformers' Trainer method): after it, the optimizer exists and any LR scheduler
+  has wrapped its step; with `turbo_offload_optimizer_states` the optimizer's states then go to the host between
+  steps (`offload.optimizer_states`).
 
 Each replaced method consults `args.turbo_*` on every call, so with the switches off the trainer is stock TRL.
 """
@@ -33,11 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import registry
+from .. import registry, run_plan
 from ..config import Settings
 from ..grpo import loss_step
 from ..grpo.sequence_groups import sequence_groups
 from ..grpo.step_plan import fused_loss_enabled, holds_is_gate
+from ..offload import optimizer_states
 from ..ops import fused_logprobs
 
 
@@ -139,6 +143,18 @@ def _wrap_compute_loss(original):
     return _compute_loss
 
 
+def _wrap_create_scheduler(original):
+    @functools.wraps(original)
+    def create_scheduler(self, *args, **kwargs):
+        scheduler = original(self, *args, **kwargs)
+        # the optimizer exists by now, prepared or not, and an LR scheduler has wrapped what it steps
+        if run_plan.of(self).memory.optimizer_states_offload and getattr(self, "optimizer", None) is not None:
+            optimizer_states.install(self.optimizer, self.accelerator.device)
+        return scheduler
+
+    return create_scheduler
+
+
 def apply() -> None:
     import trl.trainer.utils as trl_utils
     from trl.trainer.grpo_trainer import GRPOTrainer
@@ -150,3 +166,4 @@ def apply() -> None:
         ("_generate_and_score_completions", _wrap_generate_and_score),
     ):
         registry.set_attr(GRPOTrainer, name, wrap(GRPOTrainer.__dict__[name]))
+    registry.set_attr(GRPOTrainer, "create_scheduler", _wrap_create_scheduler(GRPOTrainer.create_scheduler))

@@ -179,7 +179,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
         kv_cache = auto_kv_cache_bytes(
             free_bytes=capacity_bytes - CONTEXT_BYTES - static_bytes, total_bytes=capacity_bytes,
             vllm_weight_bytes=weights, trainable_params=trainable, sampling_workspace_bytes=step_workspace,
-            useful_bytes=useful)
+            useful_bytes=useful, states_on_host=Settings.of(args).offload_optimizer_states)
     except ValueError as exc:
         return _EngineMemory(weights, 0, workspace, str(exc))
     return _EngineMemory(weights, kv_cache, workspace)

@@ -281,7 +281,8 @@ def engine_kwargs(generation: Any, config: Any, sharing: Sharing | None,
             fsdp = detect_strategy(config) in (Strategy.FSDP1, Strategy.FSDP2)
             kwargs["kv_cache_memory_bytes"] = kv_budget(generation, sharing, settings.vllm_kv_cache_dtype,
                                                          sampling, sharded, fsdp,
-                                                         sequences_per_generation(generation, config))
+                                                         sequences_per_generation(generation, config),
+                                                         states_on_host=settings.offload_optimizer_states)
     return kwargs
 
 
@@ -312,9 +313,11 @@ def _trl_default(config: Any, name: str) -> Any:
 
 
 def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None,
-              sharded: bool = False, fsdp: bool = False, sequences: int | None = None) -> int:
+              sharded: bool = False, fsdp: bool = False, sequences: int | None = None, *,
+              states_on_host: bool = False) -> int:
     """vLLM's KV cache budget for this engine (`sharded`: FSDP2's frozen shards will be vLLM's slices; `fsdp`: the
-    training model is sharded by FSDP and still on the host; `sequences`: the most a generation submits to it)."""
+    training model is sharded by FSDP and still on the host; `sequences`: the most a generation submits to it;
+    `states_on_host`: the optimizer's states wait on the host between steps)."""
     model = generation.model
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -348,7 +351,7 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     )
     return auto_kv_cache_bytes(
         free_bytes=free, total_bytes=total, vllm_weight_bytes=weight_bytes,
-        trainable_params=trainable,
+        trainable_params=trainable, states_on_host=states_on_host,
         sampling_workspace_bytes=sampling_workspace_bytes(max_num_seqs, text.vocab_size, text.hidden_size),
         useful_bytes=useful,
     )

@@ -16,8 +16,10 @@ from __future__ import annotations
 from ..device_memory import kept_free_bytes
 
 _GIB = 2**30
-# Adam keeps two fp32 moments per trainable parameter, plus the gradient and (with mixed precision) nothing else.
-_TRAINABLE_BYTES_PER_PARAM = 4 + 4 + 4
+# Per trainable parameter: its fp32 gradient, and Adam's two fp32 moments unless they wait on the host
+# (`turbo_offload_optimizer_states`)
+_GRADIENT_BYTES_PER_PARAM = 4
+_ADAM_STATE_BYTES_PER_PARAM = 4 + 4
 # The margin: 5% of the device, at least 2 GiB, the floor at most a tenth of a small device (a 5 GiB run would
 # otherwise keep 40% of it)
 _MARGIN_FRACTION = 0.05
@@ -32,17 +34,19 @@ PROMPT_ALLOWANCE_TOKENS = 2048
 
 
 def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes: int, trainable_params: int,
-                        sampling_workspace_bytes: int, useful_bytes: int) -> int:
+                        sampling_workspace_bytes: int, useful_bytes: int, states_on_host: bool = False) -> int:
     """The KV cache budget in bytes: what is left, capped at `useful_bytes` (every sequence at full length); raises
-    ValueError when less than min(1 GiB, useful) is left, naming what took the memory."""
+    ValueError when less than min(1 GiB, useful) is left, naming what took the memory. `states_on_host`: the
+    optimizer's states wait on the host between steps."""
     margin = kv_margin_bytes(total_bytes)
-    reserved = vllm_weight_bytes + trainable_params * _TRAINABLE_BYTES_PER_PARAM + sampling_workspace_bytes + margin
+    per_param = _GRADIENT_BYTES_PER_PARAM + (0 if states_on_host else _ADAM_STATE_BYTES_PER_PARAM)
+    reserved = vllm_weight_bytes + trainable_params * per_param + sampling_workspace_bytes + margin
     budget = free_bytes - reserved
     if budget < min(_MIN_KV_BYTES, useful_bytes):
         raise ValueError(
             f"Not enough device memory for vLLM's KV cache: {free_bytes / _GIB:.1f} GiB free, of which "
             f"{vllm_weight_bytes / _GIB:.1f} GiB go to vLLM's weights, "
-            f"{trainable_params * _TRAINABLE_BYTES_PER_PARAM / _GIB:.1f} GiB to trainable parameters and their "
+            f"{trainable_params * per_param / _GIB:.1f} GiB to trainable parameters and their "
             f"optimizer states, {sampling_workspace_bytes / _GIB:.1f} GiB to sampling and {margin / _GIB:.1f} GiB "
             "kept as margin. Use a smaller model or set `vllm_gpu_memory_utilization` explicitly."
         )

@@ -1,0 +1,225 @@
+"""The optimizer's states on the host between steps (`offload.optimizer_states`): the same parameters bit for bit,
+chunk by chunk, with LR schedulers, `state_dict`/`load_state_dict`, closures and removal; through GRPOTrainer, a full
+fine-tuning that saves and resumes with the states offloaded follows the run that never offloads; the config checks
+refuse what cannot work. CPU (the host buffers are then not pinned)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from trl_turbo.offload.optimizer_states import OptimizerStateOffload, install, installed
+
+
+def _model_and_optimizer(seed: int = 0, **adam):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1, "lr": 3e-3}],
+                                  lr=1e-2, **adam)
+    return model, optimizer
+
+
+def _train(model, optimizer, scheduler, steps: int, seed: int = 1, closure: bool = False) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 8, generator=generator)
+
+        def loss_fn():
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        if closure:
+            optimizer.step(loss_fn)
+        else:
+            loss_fn()
+            optimizer.step()
+        scheduler.step()
+
+
+def _moving_states(optimizer):
+    return [v for state in optimizer.state.values() for v in state.values() if v.numel() > 1]
+
+
+@pytest.mark.parametrize("adam", [{}, {"foreach": False}, {"fused": True}], ids=["default", "for-loop", "fused"])
+def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
+    reference, reference_optimizer = _model_and_optimizer(**adam)
+    model, optimizer = _model_and_optimizer(**adam)
+    reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1 / (s + 1))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False)  # several chunks: ~2.4 KiB of states
+    calls = []
+    inner = offload._step
+
+    def counting_step(*args):
+        calls.append(sum(s.untyped_storage().nbytes() for s in _moving_states(optimizer)))
+        return inner(*args)
+
+    offload._step = counting_step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the LR scheduler still sees the optimizer's steps counted
+        _train(reference, reference_optimizer, reference_scheduler, 4)
+        _train(model, optimizer, scheduler, 4)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert len(calls) >= 4 * 3  # each step in several chunks
+    # at each chunk's call at most one chunk of states is on the device: up to 600 bytes and the parameter that
+    # passes them (the 16 x 16 weight's two moments, 2 KiB), never all 3872 bytes of them
+    total = 2 * 4 * sum(p.numel() for p in model.parameters())
+    assert total == 3872 and max(calls) <= 600 + 2 * 4 * 256 < total
+    states = _moving_states(optimizer)
+    assert len(states) == 12 and all(s.untyped_storage().nbytes() == 0 for s in states)  # all on the host
+    assert offload.host_bytes == 2 * 4 * sum(p.numel() for p in model.parameters())
+    assert all(s["step"].numel() == 1 for s in optimizer.state.values())  # step counters stay
+    # the saved state is the reference's; loading it back and stepping on keeps following the reference
+    saved, expected = optimizer.state_dict(), reference_optimizer.state_dict()
+    for key, state in expected["state"].items():
+        assert all(torch.equal(saved["state"][key][name], value) for name, value in state.items())
+    fresh_model, fresh = _model_and_optimizer(**adam)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 1 / (s + 1))
+    fresh_offload = OptimizerStateOffload(fresh, chunk_bytes=600, pin=False)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    fresh_scheduler.load_state_dict(scheduler.state_dict())
+    _train(fresh_model, fresh, fresh_scheduler, 2, seed=2)
+    _train(reference, reference_optimizer, reference_scheduler, 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), reference.parameters(), strict=True))
+    assert fresh_offload.host_bytes == offload.host_bytes
+    assert all(s.untyped_storage().nbytes() == 0 for s in _moving_states(fresh))
+
+
+def test_a_closure_steps_once_and_removal_puts_everything_back():
+    reference, reference_optimizer = _model_and_optimizer()
+    model, optimizer = _model_and_optimizer()
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False)
+    _train(reference, reference_optimizer, torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1), 3,
+           closure=True)
+    _train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1), 3, closure=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert installed(optimizer) is offload
+    offload.close()
+    assert installed(optimizer) is None and "step" not in optimizer.__dict__
+    states = _moving_states(optimizer)
+    assert all(torch.equal(s, r) for s, r in zip(states, _moving_states(reference_optimizer), strict=True))
+
+
+def test_install_finds_the_torch_optimizer_once_and_refuses_what_the_host_cannot_hold(monkeypatch):
+    from trl_turbo import host_memory
+
+    _, optimizer = _model_and_optimizer()
+
+    class Wrapper:  # accelerate's AcceleratedOptimizer holds the torch optimizer as `.optimizer`
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    offload = install(Wrapper(optimizer), torch.device("cpu"))
+    assert installed(optimizer) is offload and install(optimizer, torch.device("cpu")) is offload
+    offload.close()
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
+    with pytest.raises(ValueError, match="turbo_offload_optimizer_states=True. needs about .* Set it to False"):
+        install(optimizer, torch.device("cpu"))
+
+
+def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path):
+    """GRPOTrainer (CPU, full fine-tuning, AdamW): 3 steps with a checkpoint after the second, and a run resumed from
+    it, both offloading, end on the parameters of a run that never offloads."""
+    from trl_turbo.testing import parity
+
+    def trainer(output_dir, offload):
+        kwargs = parity.base_config_kwargs(str(output_dir), max_steps=3, optim="adamw_torch", learning_rate=5e-3,
+                                           save_strategy="steps", save_steps=2,
+                                           turbo_offload_optimizer_states=offload)
+        torch.manual_seed(0)
+        return parity.build_trainer(kwargs)
+
+    plain = trainer(tmp_path / "plain", False)
+    plain.train()
+    offloaded = trainer(tmp_path / "offloaded", True)
+    offloaded.train()
+    offload = installed(offloaded.optimizer.optimizer)
+    assert offload is not None and offload.host_bytes > 0
+    assert installed(plain.optimizer.optimizer) is None
+    resumed = trainer(tmp_path / "offloaded", True)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "offloaded" / "checkpoint-2"))
+    for run in (offloaded, resumed):
+        assert all(torch.equal(a, b) for a, b in zip(run.model.parameters(), plain.model.parameters(), strict=True))
+
+
+def test_the_config_refuses_deepspeed_and_fsdp_parameter_offload(monkeypatch):
+    import types
+
+    from trl_turbo import checks, distributed
+    from trl_turbo.config import Settings
+
+    args = types.SimpleNamespace(turbo_offload_optimizer_states=True, world_size=2, deepspeed=None,
+                                 deepspeed_plugin=None, fsdp=None, fsdp_config=None)
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    checks._check_optimizer_states(args, Settings.of(args))  # DDP: fine
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    with pytest.raises(ValueError, match="DeepSpeed steps its own.*offload_optimizer"):
+        checks._check_optimizer_states(args, Settings.of(args))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setattr(checks, "fsdp_offloads_params", lambda: True)
+    with pytest.raises(ValueError, match="fsdp_offload_params: true"):
+        checks._check_optimizer_states(args, Settings.of(args))
+    monkeypatch.setattr(checks, "fsdp_offloads_params", lambda: False)
+    checks._check_optimizer_states(args, Settings.of(args))
+    assert distributed.detect_strategy(args) is distributed.Strategy.FSDP2
+
+
+FSDP2_SCRIPT = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from trl_turbo.offload.optimizer_states import OptimizerStateOffload
+from trl_turbo.testing.models import tiny_model
+from trl_turbo.testing.multi_gpu import leave_finished_process
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def run(offload):
+    model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, intermediate_size=64, seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if offload:
+        OptimizerStateOffload(optimizer, chunk_bytes=4096, pin=False)
+    torch.manual_seed(1 + rank)
+    for _ in range(3):
+        ids = torch.randint(4, 64, (2, 12))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = [p.to_local().clone() for p in model.parameters()]
+    empty = all(v.to_local().untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values()
+                if v.numel() > 1)
+    return params, empty
+
+reference, _ = run(False)
+params, empty = run(True)
+report = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "empty": empty}
+with open(sys.argv[1] + f".{rank}", "w") as handle:
+    json.dump(report, handle)
+leave_finished_process()
+"""
+
+
+def test_fsdp2_shards_states_go_to_the_host_and_step_the_same(tmp_path):
+    """Two CPU processes (gloo), FSDP2: the states are DTensors; their local shards move, and the sharded parameters
+    after three steps equal the run that never offloads."""
+    from trl_turbo.testing.multi_gpu import per_rank_reports
+
+    for report in per_rank_reports(FSDP2_SCRIPT, tmp_path):
+        assert report == {"equal": True, "empty": True}

@@ -192,8 +192,14 @@ def test_fsdp2_full_fine_tuning_reduces_gradients_each_micro_batch(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     import trl
 
-    chosen = config(accelerator_config={"gradient_accumulation_kwargs": {"adjust_scheduler": False}})
-    run_plan.begin(trl.GRPOTrainer, chosen, model, None)
-    kwargs = chosen.accelerator_config.gradient_accumulation_kwargs
-    assert kwargs == {"adjust_scheduler": False, "sync_each_batch": True}
-    assert GradientAccumulationPlugin(**kwargs, num_steps=1).sync_each_batch  # as Trainer builds its plugin
+    chosen = config()
+    progress = run_plan.begin(trl.GRPOTrainer, chosen, model, None)
+    assert progress.reduce_each_micro_batch
+    assert chosen.accelerator_config.gradient_accumulation_kwargs is None  # the user's config is left as it was
+    # after TRL's constructor: set where the Trainer's loop reads it, on the accelerator the trainer built
+    gradient_state = types.SimpleNamespace(plugin_kwargs=GradientAccumulationPlugin(num_steps=1).to_kwargs())
+    trainer = types.SimpleNamespace(args=chosen, vllm_generation=None, accelerator=types.SimpleNamespace(
+        device=torch.device("cpu"), gradient_state=gradient_state))
+    plan = run_plan.finish(progress, trainer)
+    assert gradient_state.plugin_kwargs["sync_each_batch"] is True
+    assert plan.reduce_each_micro_batch and plan.describe()["reduce_each_micro_batch"]

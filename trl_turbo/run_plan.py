@@ -43,6 +43,7 @@ class RunPlan:
     rollout_check: RolloutCheckMode  # as set, or ERROR where the installed vLLM is only checked against its sources
     memory: MemoryPolicy
     engine: EnginePlan | None  # None: no colocated vLLM engine
+    reduce_each_micro_batch: bool = False  # FSDP2 full fine-tuning: gradients reduce-scattered after every micro-batch
 
     def describe(self) -> dict[str, Any]:
         """The plan's decisions as plain values (what a forecast and a run are compared by)."""
@@ -50,6 +51,7 @@ class RunPlan:
         return {
             "strategy": self.strategy.value,
             "rollout_check": self.rollout_check.value,
+            "reduce_each_micro_batch": self.reduce_each_micro_batch,
             "memory": {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(self.memory).items()},
             "engine": None if engine is None else {
                 "sharing": None if engine.sharing is None else engine.sharing.mode.value,
@@ -106,6 +108,7 @@ class PlanInProgress:
     config: Any
     settings: Settings
     engine: EnginePlan | None = None
+    reduce_each_micro_batch: bool = False  # `reduces_gradients_each_micro_batch`
 
 
 def begin(trainer_cls: type, config: Any, model: Any, peft_config: Any,
@@ -118,12 +121,8 @@ def begin(trainer_cls: type, config: Any, model: Any, peft_config: Any,
         # DDP then needs no search for unused parameters after each backward (transformers turns it on for a PEFT
         # model, whatever its adapter); read by the Trainer's constructor when it builds the accelerator
         config.ddp_find_unused_parameters = False
-    if config is not None and reduces_gradients_each_micro_batch(config, model, peft_config):
-        # read by the Trainer's constructor (its gradient accumulation plugin) and its loop, which then skips
-        # `no_sync` on every micro-batch
-        config.accelerator_config.gradient_accumulation_kwargs = {
-            **(config.accelerator_config.gradient_accumulation_kwargs or {}), "sync_each_batch": True}
-    return PlanInProgress(config, Settings.of(config))
+    reduce_each = config is not None and reduces_gradients_each_micro_batch(config, model, peft_config)
+    return PlanInProgress(config, Settings.of(config), reduce_each_micro_batch=reduce_each)
 
 
 def reduces_gradients_each_micro_batch(config: Any, model: Any, peft_config: Any) -> bool:
@@ -166,8 +165,13 @@ def finish(progress: PlanInProgress, trainer: Any) -> RunPlan:
     settings = progress.settings if progress.config is not None else Settings.of(args)
     device = getattr(getattr(trainer, "accelerator", None), "device", None)
     has_engine = getattr(trainer, "vllm_generation", None) is not None
-    return _plan(args, settings, progress.engine if has_engine else None,
+    if progress.reduce_each_micro_batch:
+        # what the Trainer's loop reads on every micro-batch (set on the accelerator it built, not in the user's
+        # config: transformers writes into that dict, and a config may build more than one trainer)
+        trainer.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+    plan = _plan(args, settings, progress.engine if has_engine else None,
                  cuda_device=getattr(device, "type", None) == "cuda", liger_enabled=liger_layers_enabled(args))
+    return dataclasses.replace(plan, reduce_each_micro_batch=progress.reduce_each_micro_batch)
 
 
 def plan_engine_for(config: Any, generation: Any) -> EnginePlan:

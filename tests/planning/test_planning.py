@@ -18,7 +18,7 @@ from trl_turbo.planning import plan
 from trl_turbo.planning.model_spec import load_config, model_spec
 from trl_turbo.planning.run import forecast_run
 from trl_turbo.planning.training import MicroBatch, forecast_training
-from trl_turbo.vllm.kv_budget import KV_BLOCK_TOKENS
+from trl_turbo.vllm.kv_budget import useful_kv_cache_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -40,18 +40,15 @@ MODES = {"stock": "off", "turbo": "auto", "turbo-min": "min"}
 
 
 def _budget_rule_of(result: dict, monkeypatch) -> None:
-    """The KV budget rule `result` was measured with, for the forecast of its rows."""
+    """The KV budget rule `result` was measured with, for the forecast of its rows: today's, or for rows measured
+    before it, 10% over every sequence's tokens."""
     from trl_turbo.planning import run
 
     def tokens_with_headroom(*, max_num_seqs, seq_len, max_model_len, per_token_bytes):
         return int(max(1.1 * max_num_seqs * min(seq_len, max_model_len), max_model_len) * per_token_bytes)
 
-    def pages(*, max_num_seqs, seq_len, max_model_len, per_token_bytes):
-        used = max_num_seqs * (-(-min(seq_len, max_model_len) // KV_BLOCK_TOKENS) + 1) + 1
-        return max(used * KV_BLOCK_TOKENS, max_model_len) * per_token_bytes
-
     monkeypatch.setattr(run, "useful_kv_cache_bytes",
-                        tokens_with_headroom if result["date"] < KV_PAGES_FROM else pages)
+                        tokens_with_headroom if result["date"] < KV_PAGES_FROM else useful_kv_cache_bytes)
 
 
 def _results(kind: str) -> list[dict]:

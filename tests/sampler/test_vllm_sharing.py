@@ -259,7 +259,10 @@ def test_useful_kv_follows_the_expected_sequence_length():
                                  per_token_bytes=per_token) == (64 * (seq_len // 16 + 1) + 1) * 16 * per_token
     # ... but never less than one full-context sequence, without which vLLM refuses to start
     assert useful_kv_cache_bytes(max_num_seqs=8, seq_len=seq_len, max_model_len=131072,
-                                 per_token_bytes=per_token) == 131072 * per_token
+                                 per_token_bytes=per_token) == (131072 // 16 + 1) * 16 * per_token
+    # in whole pages, with vLLM's reserved one, where the context ends inside a page
+    assert useful_kv_cache_bytes(max_num_seqs=1, seq_len=100, max_model_len=4097,
+                                 per_token_bytes=per_token) == (257 + 1) * 16 * per_token
 
 
 # ------------------------------------------------------------------------------------------------ validation

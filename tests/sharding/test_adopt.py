@@ -162,16 +162,11 @@ SCRIPT = textwrap.dedent(
     engine = Engine(facts, shapes)
     model, share, state = prepare(model, engine, merged=True)
     before = {name: t.clone() for name, t in engine.tensors.items()}
-    gathers = [0]
-    all_gather = dist.all_gather_into_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
-    def counting_gather(*args, **kwargs):
-        gathers[0] += 1
-        return all_gather(*args, **kwargs)
-
-    dist.all_gather_into_tensor = counting_gather
-    state.merged.merge()  # (a forward of the training model now would restore first: its guard hook)
-    report["merge_gathers"] = gathers[0]  # every layer's LoRA factors, gathered whole at once
+    with CommDebugMode() as comm:  # every collective, DTensor's own included
+        state.merged.merge()  # (a forward of the training model now would restore first: its guard hook)
+    report["merge_gathers"] = comm.get_total_counts()  # every layer's LoRA factors, gathered whole at once
     report["merge_changed"] = sorted(name for name, t in engine.tensors.items() if not torch.equal(t, before[name]))
     merged_reference = reference.merge_and_unload().model.layers[1]
     q_rows = slice(rank * 32, (rank + 1) * 32)  # 2 of the 4 heads of 16 per rank
@@ -192,9 +187,9 @@ SCRIPT = textwrap.dedent(
     projections = {n: p for n, p in model.named_parameters()
                    if "lora_" not in n and hf_weight_name(n).rsplit(".", 2)[-2] in PROJECTIONS}
     base_before = {n: p.to_local().clone() for n, p in projections.items()}
-    gathers[0] = 0
-    state.fp8.write()
-    report["fp8_gathers"] = gathers[0]
+    with CommDebugMode() as comm:
+        state.fp8.write()
+    report["fp8_gathers"] = comm.get_total_counts()
 
     def expected_fp8(model, layer, vllm_name):
         # the rank's rows (column-parallel) or columns (row-parallel) of W + scaling * B @ A, computed whole in

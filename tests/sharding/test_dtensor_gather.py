@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
     from trl_turbo.sharding.dtensor import wholes_of
     from trl_turbo.testing.models import tiny_model
     from trl_turbo.testing.multi_gpu import leave_finished_process
@@ -41,8 +42,10 @@ SCRIPT = textwrap.dedent(
                 distribute_tensor(whole[0], flat, [Replicate()]), whole[3]]
     expected = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in tensors]
     gathers[0] = 0
-    got = wholes_of(tensors)
-    report = {"gathers": gathers[0], "equal": [bool(torch.equal(a, b)) for a, b in zip(got, expected)],
+    with CommDebugMode() as comm:  # every collective, DTensor's own included
+        got = wholes_of(tensors)
+    report = {"gathers": gathers[0], "collectives": comm.get_total_counts(),
+              "equal": [bool(torch.equal(a, b)) for a, b in zip(got, expected)],
               "shapes": [list(g.shape) for g in got]}
 
     model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, intermediate_size=64, seed=0)
@@ -52,8 +55,10 @@ SCRIPT = textwrap.dedent(
     params = [p.detach() for p in model.parameters()]
     expected = [p.full_tensor() for p in params]
     gathers[0] = 0
-    got = wholes_of(params)
+    with CommDebugMode() as comm:
+        got = wholes_of(params)
     report["model_gathers"] = gathers[0]
+    report["model_collectives"] = comm.get_total_counts()
     report["model_equal"] = all(torch.equal(a, b) for a, b in zip(got, expected))
     report["model_tensors"] = len(params)
     with open(sys.argv[1] + f".{rank}", "w") as handle:
@@ -68,5 +73,6 @@ def test_dim0_shards_are_gathered_whole_in_one_collective_per_mesh_dimension(tmp
         assert report["equal"] == [True] * 7
         assert report["shapes"] == [[32], [5, 3], [1, 4], [7], [5, 3], [32], [7]]
         # the four on the flat mesh in one, the HSDP-shaped one in another; the replicated and the plain need none
-        assert report["gathers"] == 2
-        assert report["model_equal"] and report["model_tensors"] > 10 and report["model_gathers"] == 1
+        assert report["gathers"] == report["collectives"] == 2
+        assert report["model_equal"] and report["model_tensors"] > 10
+        assert report["model_gathers"] == report["model_collectives"] == 1

@@ -564,6 +564,8 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup {args.warmup}: a number of steps, 0 or more")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} with --warmup {args.warmup} leaves no timed step: --steps counts the "
                          "warm-up steps too, so ask for at least --warmup + 1")

@@ -65,7 +65,7 @@ def measure_apart(device: torch.device) -> dict[str, Any] | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     result = subprocess.run([sys.executable, "-m", "trl_turbo.bench.hardware", str(index)], capture_output=True,
-                            text=True, check=False)
+                            text=True, check=False, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"measuring the GPU's ceilings failed: {result.stderr[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

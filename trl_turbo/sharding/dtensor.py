@@ -3,6 +3,7 @@ casts or hands weights over works on both without asking which it has."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -65,7 +66,7 @@ def _gather_row_shards(tensors: list[torch.Tensor], mesh_dim: int) -> list[torch
     layouts = []  # (rows per chunk, elements per row) of each tensor
     for tensor in tensors:
         rows = tensor.shape[0]
-        layouts.append((-(-rows // ranks), tensor[0].numel() if rows else 0))
+        layouts.append((-(-rows // ranks), math.prod(tensor.shape[1:])))  # (indexing a DTensor would gather it)
     width = sum(chunk * row for chunk, row in layouts)
     local = torch.zeros(width, dtype=tensors[0].dtype, device=local_of(tensors[0]).device)
     offset = 0

@@ -75,7 +75,8 @@ def useful_kv_cache_bytes(*, max_num_seqs: int, seq_len: int, max_model_len: int
     token), plus vLLM's one reserved page; at least one sequence of `max_model_len` tokens, the least vLLM starts
     with."""
     pages = max_num_seqs * (-(-min(seq_len, max_model_len) // KV_BLOCK_TOKENS) + 1) + 1
-    return max(pages * KV_BLOCK_TOKENS, max_model_len) * per_token_bytes
+    one_full_sequence = -(-max_model_len // KV_BLOCK_TOKENS) + 1
+    return max(pages, one_full_sequence) * KV_BLOCK_TOKENS * per_token_bytes
 
 
 def expected_seq_len(*, max_model_length: int | None, max_completion_length: int) -> int:

@@ -52,7 +52,7 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     model, optimizer = _model_and_optimizer(**adam)
     reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1 / (s + 1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
-    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False)  # several chunks: ~2.4 KiB of states
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)  # several chunks: ~2.4 KiB of states
     calls = []
     inner = offload._step
 
@@ -73,7 +73,8 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     assert total == 3872 and max(calls) <= 600 + 2 * 4 * 256 < total
     states = _moving_states(optimizer)
     assert len(states) == 12 and all(s.untyped_storage().nbytes() == 0 for s in states)  # all on the host
-    assert offload.host_bytes == 2 * 4 * sum(p.numel() for p in model.parameters())
+    # in whole 64-byte host chunks (the 4-element bias's moments take one each)
+    assert offload.host_bytes == sum(2 * -(-p.numel() * 4 // 64) * 64 for p in model.parameters()) == 3968
     assert all(s["step"].numel() == 1 for s in optimizer.state.values())  # step counters stay
     # the saved state is the reference's; loading it back and stepping on keeps following the reference
     saved, expected = optimizer.state_dict(), reference_optimizer.state_dict()
@@ -82,7 +83,7 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     fresh_model, fresh = _model_and_optimizer(**adam)
     fresh_model.load_state_dict(model.state_dict())
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 1 / (s + 1))
-    fresh_offload = OptimizerStateOffload(fresh, chunk_bytes=600, pin=False)
+    fresh_offload = OptimizerStateOffload(fresh, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)
     fresh.load_state_dict(copy.deepcopy(saved))
     fresh_scheduler.load_state_dict(scheduler.state_dict())
     _train(fresh_model, fresh, fresh_scheduler, 2, seed=2)
@@ -92,10 +93,19 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     assert all(s.untyped_storage().nbytes() == 0 for s in _moving_states(fresh))
 
 
+def test_small_states_stay_on_the_device():
+    model, optimizer = _model_and_optimizer()
+    offload = OptimizerStateOffload(optimizer, pin=False, min_state_bytes=1024, host_chunk_bytes=1024)
+    _train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1), 2)
+    moved = {tuple(v.shape) for v in _moving_states(optimizer) if v.untyped_storage().nbytes() == 0}
+    assert moved == {(16, 16)}  # the one 1 KiB weight's two moments; the rest is under 1 KiB
+    assert offload.host_bytes == 2 * 1024
+
+
 def test_a_closure_steps_once_and_removal_puts_everything_back():
     reference, reference_optimizer = _model_and_optimizer()
     model, optimizer = _model_and_optimizer()
-    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False)
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)
     _train(reference, reference_optimizer, torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1), 3,
            closure=True)
     _train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1), 3, closure=True)
@@ -124,10 +134,15 @@ def test_install_finds_the_torch_optimizer_once_and_refuses_what_the_host_cannot
         install(optimizer, torch.device("cpu"))
 
 
-def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path):
+def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path, monkeypatch):
     """GRPOTrainer (CPU, full fine-tuning, AdamW): 3 steps with a checkpoint after the second, and a run resumed from
     it, both offloading, end on the parameters of a run that never offloads."""
+    from trl_turbo.offload import optimizer_states
     from trl_turbo.testing import parity
+
+    # the tiny model's states are all under the 4 MiB a real run leaves on the device
+    monkeypatch.setattr(optimizer_states, "MIN_STATE_BYTES", 0)
+    monkeypatch.setattr(optimizer_states, "HOST_CHUNK_BYTES", 1024)
 
     def trainer(output_dir, offload):
         kwargs = parity.base_config_kwargs(str(output_dir), max_steps=3, optim="adamw_torch", learning_rate=5e-3,
@@ -195,7 +210,7 @@ def run(offload):
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if offload:
-        OptimizerStateOffload(optimizer, chunk_bytes=4096, pin=False)
+        OptimizerStateOffload(optimizer, chunk_bytes=4096, pin=False, min_state_bytes=0, host_chunk_bytes=64)
     torch.manual_seed(1 + rank)
     for _ in range(3):
         ids = torch.randint(4, 64, (2, 12))

@@ -5,10 +5,11 @@ Design decisions:
   than one element on the device), never the parameters or their gradients: a full fine-tuning's 8 bytes per trained
   parameter leave the device for the forward, backward and generation, and the step still runs on the device, with
   the optimizer's own kernels.
-- A state keeps its identity: its device storage is resized to nothing and back, with its values in one pinned host
-  buffer of its own. FSDP2's states (DTensors) and plain tensors are moved alike, through their local tensors, and
-  the optimizer's `state_dict`/`load_state_dict`, which read and replace the dict, keep working (a hook brings the
-  states back first; loaded states are offloaded at the next step).
+- A state keeps its identity: its device storage is resized to nothing and back, with its values in pinned chunks
+  of a `PinnedPool` (exact sizes; a pinned tensor of its own would be rounded up to a power of two). States under
+  `MIN_STATE_BYTES` (norms, biases) stay on the device. FSDP2's states (DTensors) and plain tensors are moved alike,
+  through their local tensors, and the optimizer's `state_dict`/`load_state_dict`, which read and replace the dict,
+  keep working (a hook brings the states back first; loaded states are offloaded at the next step).
 - A step walks the parameters in chunks of about `chunk_bytes` of states: the optimizer steps one chunk's parameters
   at a time (each parameter group narrowed to them for that call, its hyper-parameters untouched), its states
   fetched just before and sent back just after, all on the current stream, so the device never holds more than
@@ -30,20 +31,31 @@ import torch
 
 from .. import registry
 from ..sharding.dtensor import local_of
+from .pinned_pool import HostBlocks, PinnedPool, flat_bytes
 
 INSTALLED_ATTRIBUTE = "_trl_turbo_state_offload"
+# States smaller than this stay on the device (norms, biases: a rounding error of the memory, and many copies)
+MIN_STATE_BYTES = 4 << 20
+# Host storage comes in pinned chunks of this size (`PinnedPool`: exact, where a pinned tensor of its own would be
+# rounded up to a power of two)
+HOST_CHUNK_BYTES = 4 << 20
 
 
 class OptimizerStateOffload:
     """Installs itself on `optimizer` (its `step`, and hooks around `state_dict`/`load_state_dict`), after any LR
     scheduler wrapped its `step`; `pin`: page-lock the host buffers (CUDA)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, chunk_bytes: int = 1 << 30, pin: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, chunk_bytes: int = 1 << 30, pin: bool = True,
+                 min_state_bytes: int = MIN_STATE_BYTES, host_chunk_bytes: int = HOST_CHUNK_BYTES) -> None:
         self.optimizer = optimizer
         self.chunk_bytes = chunk_bytes
         self.pin = pin
-        # (id of a parameter's state dict, the state's name) -> its host buffer, and the state it holds the values of
-        self._host: dict[tuple[int, str], torch.Tensor] = {}
+        self.min_state_bytes = min_state_bytes
+        self._pool = PinnedPool(budget_bytes=2**62, chunk_bytes=host_chunk_bytes, pin=pin,
+                                purpose="optimizer state offload",
+                                remedy="Set `turbo_offload_optimizer_states=False` to keep them on the GPU.")
+        # (id of a parameter's state dict, the state's name) -> its host storage, and the state it holds the values of
+        self._host: dict[tuple[int, str], HostBlocks] = {}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
         self.metrics: dict[str, float] = {}
         self._step = original = optimizer.step
@@ -60,7 +72,8 @@ class OptimizerStateOffload:
 
     @property
     def host_bytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._host.values())
+        """Host memory the states take (whole pinned chunks)."""
+        return self._pool.allocated_bytes - self._pool.free_bytes
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The optimizer's step, chunk by chunk (whole with a `closure`), each chunk's states on the device only for
@@ -97,10 +110,14 @@ class OptimizerStateOffload:
         registry.restore_attr(self.optimizer, "step")
         registry.restore_attr(self.optimizer, INSTALLED_ATTRIBUTE)
         self._forget()
+        self._pool.close()
 
     # ------------------------------------------------------------------------------------------------ internals
     def _forget(self) -> None:
-        """After `load_state_dict`: the loaded states are new tensors on the device; the old buffers go."""
+        """After `load_state_dict`: the loaded states are new tensors on the device; the old host storage is free for
+        them."""
+        for blocks in self._host.values():
+            self._pool.release(blocks)
         self._host.clear()
         self._resident.clear()
 
@@ -122,12 +139,13 @@ class OptimizerStateOffload:
 
     def _states(self, params: Any) -> list[tuple[dict[str, Any], str]]:
         """Where the states of `params` that move are kept: (the parameter's state dict, the state's name) of each
-        tensor of more than one element (a step counter stays)."""
+        tensor of at least `min_state_bytes` and more than one element (a step counter stays)."""
         found = []
         for param in params:
             state = self.optimizer.state.get(param, {})
             found += [(state, name) for name, value in state.items()
-                      if isinstance(value, torch.Tensor) and value.numel() > 1]
+                      if isinstance(value, torch.Tensor) and value.numel() > 1
+                      and _nbytes(local_of(value)) >= self.min_state_bytes]
         return found
 
     @torch.no_grad()
@@ -141,11 +159,13 @@ class OptimizerStateOffload:
                 holder[name] = value = value.clone(memory_format=torch.contiguous_format)
                 local = local_of(value)
             key = (id(holder), name)
-            buffer = self._host.get(key)
-            if buffer is None or self._resident.get(key) is not value:
-                buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
-                self._host[key], self._resident[key] = buffer, value
-            buffer.copy_(local, non_blocking=self.pin)
+            blocks = self._host.get(key)
+            if blocks is None or self._resident.get(key) is not value:
+                if blocks is not None:
+                    self._pool.release(blocks)
+                blocks = self._pool.acquire(_nbytes(local))
+                self._host[key], self._resident[key] = blocks, value
+            blocks.store(flat_bytes(local), non_blocking=self.pin)
             local.untyped_storage().resize_(0)  # stream-ordered: the copy above reads it first
 
     @torch.no_grad()
@@ -154,9 +174,9 @@ class OptimizerStateOffload:
             local = local_of(holder[name])
             if local.untyped_storage().nbytes() != 0:
                 continue  # on the device (never sent, or loaded since)
-            buffer = self._host[(id(holder), name)]
-            local.untyped_storage().resize_(_nbytes(buffer))
-            local.copy_(buffer, non_blocking=self.pin)
+            blocks = self._host[(id(holder), name)]
+            local.untyped_storage().resize_(blocks.nbytes)
+            blocks.load(flat_bytes(local), non_blocking=self.pin)
 
 
 def _owns_resizable_storage(tensor: torch.Tensor) -> bool:
@@ -196,4 +216,5 @@ def install(optimizer: Any, device: torch.device) -> OptimizerStateOffload:
         raise ValueError(f"trl_turbo: `turbo_offload_optimizer_states=True` needs about {expected / 2**30:.1f} GiB of "
                          f"pinned host memory for this process's optimizer states, and its share of the host's "
                          f"available memory is {share / 2**30:.1f} GiB. Set it to False, or train on more GPUs.")
-    return OptimizerStateOffload(optimizer, pin=device.type == "cuda")
+    return OptimizerStateOffload(optimizer, pin=device.type == "cuda", min_state_bytes=MIN_STATE_BYTES,
+                                 host_chunk_bytes=HOST_CHUNK_BYTES)

@@ -28,6 +28,11 @@ from ..host_memory import available_host_bytes
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bytes as a flat uint8 view (what `HostBlocks` stores and loads)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 @dataclass(eq=False)  # found and removed by identity, never by comparing tensors
 class _Chunk:
     tensor: torch.Tensor  # uint8 [chunk_bytes], page-locked unless pinning failed (or `pin=False`)

@@ -14,11 +14,7 @@ from typing import Any
 
 import torch
 
-from ..offload.pinned_pool import HostBlocks, PinnedPool
-
-
-def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
+from ..offload.pinned_pool import HostBlocks, PinnedPool, flat_bytes
 
 
 class HostCopy:

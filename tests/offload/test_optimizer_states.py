@@ -52,7 +52,8 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     model, optimizer = _model_and_optimizer(**adam)
     reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1 / (s + 1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
-    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)  # several chunks: ~2.4 KiB of states
+    # several chunks of the ~3.9 KiB of states; every state moves, into 64-byte host chunks
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)
     calls = []
     inner = offload._step
 

@@ -156,9 +156,15 @@ def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path
     plain.train()
     offloaded = trainer(tmp_path / "offloaded", True)
     offloaded.train()
-    offload = installed(offloaded.optimizer.optimizer)
+    offload = installed(offloaded.optimizer)
     assert offload is not None and offload.host_bytes > 0
-    assert installed(plain.optimizer.optimizer) is None
+    assert installed(plain.optimizer) is None
+    # logged with the step metrics: the states' host memory, and the last optimizer step's time once there was one
+    logs = [log for log in offloaded.state.log_history if "loss" in log]
+    assert all(log["offload/optimizer_states_host_gib"] >= 0 for log in logs)
+    assert logs[-1]["offload/optimizer_states_host_gib"] == offload.host_bytes / 2**30
+    assert "offload/optimizer_step_s" in logs[-1] and "offload/optimizer_step_s" not in logs[0]
+    assert not any("offload/optimizer" in key for log in plain.state.log_history for key in log)
     resumed = trainer(tmp_path / "offloaded", True)
     resumed.train(resume_from_checkpoint=str(tmp_path / "offloaded" / "checkpoint-2"))
     for run in (offloaded, resumed):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..config import RolloutCheckMode, Settings
+from ..offload import optimizer_states
 from ..offload.install import runtime_of
 from ..offload.memory_plan import MemoryPlanner, describe_plan, plan_metrics
 from ..vllm.engine_plan import drain_metrics
@@ -30,6 +31,7 @@ GAP_METRIC = "sampling/sampling_logp_difference/mean"
 _GIB = 2**30
 # Reduced over ranks by their maximum; every other metric by its mean.
 MAXIMUM = frozenset({"offload/host_peak_gib", "offload/host_pool_gib", "offload/blocking_fetches",
+                     "offload/optimizer_step_s", "offload/optimizer_states_host_gib",
                      "memory/device_peak_gib/max", "memory_plan/predicted_peak_gib",
                      "memory_plan/layer_activation_gib"})
 
@@ -70,6 +72,9 @@ def step_values(trainer: Any) -> dict[str, float]:
         values["memory/device_peak_gib/mean"] = values["memory/device_peak_gib/max"] = peak_bytes / _GIB
     if runtime is not None and runtime.planner is not None:
         values.update(memory_plan_values(trainer, runtime.planner, peak_bytes))
+    states = optimizer_states.installed(getattr(trainer, "optimizer", None))
+    if states is not None:
+        values.update(states.take_metrics())
     generation = getattr(trainer, "vllm_generation", None)
     if generation is not None:
         values.update(drain_metrics(generation))

@@ -23,6 +23,7 @@ Design decisions:
 from __future__ import annotations
 
 import functools
+import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,6 +84,7 @@ class OptimizerStateOffload:
             loss = self._step(closure)
             self._send(self._states(p for group in self.optimizer.param_groups for p in group["params"]))
             return loss
+        start = time.perf_counter()
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
@@ -96,7 +98,15 @@ class OptimizerStateOffload:
         finally:
             for group, params in zip(groups, everything, strict=True):
                 group["params"] = params
+        if self.pin:
+            torch.cuda.synchronize()  # the step's copies, both ways, are in its time
+        self.metrics["offload/optimizer_step_s"] = time.perf_counter() - start
         return None
+
+    def take_metrics(self) -> dict[str, float]:
+        """The last step's time (copies included) and the host memory the states take, as metrics."""
+        metrics, self.metrics = self.metrics, {}
+        return {**metrics, "offload/optimizer_states_host_gib": self.host_bytes / 2**30}
 
     def fetch_all(self) -> None:
         """Every state back on the device (before `state_dict`, or a step with a closure)."""
@@ -194,8 +204,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def installed(optimizer: Any) -> OptimizerStateOffload | None:
-    """The offload installed on `optimizer` (None: none)."""
-    return getattr(optimizer, INSTALLED_ATTRIBUTE, None)
+    """The offload installed on `optimizer` or the torch optimizer inside it (None: none)."""
+    return getattr(torch_optimizer(optimizer), INSTALLED_ATTRIBUTE, None)
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside `optimizer` (accelerate's wrapper, itself an Optimizer, holds it as `.optimizer`)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def install(optimizer: Any, device: torch.device) -> OptimizerStateOffload:
@@ -205,8 +222,7 @@ def install(optimizer: Any, device: torch.device) -> OptimizerStateOffload:
     from ..distributed import local_process_count
     from ..host_memory import OFFLOAD_HOST_FRACTION, available_host_bytes
 
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper is one
-        optimizer = optimizer.optimizer
+    optimizer = torch_optimizer(optimizer)
     existing = installed(optimizer)
     if existing is not None:
         return existing

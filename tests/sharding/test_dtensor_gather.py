@@ -76,3 +76,36 @@ def test_dim0_shards_are_gathered_whole_in_one_collective_per_mesh_dimension(tmp
         assert report["gathers"] == report["collectives"] == 2
         assert report["model_equal"] and report["model_tensors"] > 10
         assert report["model_gathers"] == report["model_collectives"] == 1
+
+
+HSDP_SCRIPT = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from trl_turbo.sharding.dtensor import wholes_of
+from trl_turbo.testing.multi_gpu import leave_finished_process
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+whole = [torch.randn(7, 3), torch.randn(4), torch.randn(1, 5)]
+tensors = [distribute_tensor(t, mesh, [Replicate(), Shard(0)]) for t in whole]
+with CommDebugMode() as comm:
+    got = wholes_of(tensors)
+report = {"equal": all(torch.equal(a, b) for a, b in zip(got, whole)), "collectives": comm.get_total_counts()}
+with open(sys.argv[1] + f".{rank}", "w") as handle:
+    json.dump(report, handle)
+leave_finished_process()
+"""
+
+
+def test_hsdp_shards_are_gathered_within_their_shard_group(tmp_path):
+    """Four CPU processes, a 2 x 2 mesh (replicated over the first dimension, sharded over the second, as HSDP lays
+    FSDP2's parameters out): one gather over the shard group gives every whole tensor on every rank."""
+    for report in per_rank_reports(HSDP_SCRIPT, tmp_path, processes=4):
+        assert report == {"equal": True, "collectives": 1}

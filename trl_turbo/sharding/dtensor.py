@@ -4,9 +4,12 @@ casts or hands weights over works on both without asking which it has."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -24,8 +27,8 @@ def whole_of(tensor: torch.Tensor) -> torch.Tensor:
 def wholes_of(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`whole_of` of each tensor, with one all-gather for all the DTensors sharded on dim 0 over the same mesh
     dimension (FSDP2's layout; replicated over the others, as under HSDP) instead of one per tensor; those carry no
-    autograd history. Collective:
-    every rank of the mesh calls it with the same tensors in the same order. Other DTensors go one at a time."""
+    autograd history. Collective: every rank of the mesh calls it with the same tensors in the same order. Other
+    DTensors go one at a time."""
     wholes: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for index, tensor in enumerate(tensors):
@@ -39,6 +42,21 @@ def wholes_of(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for index, whole in zip(indices, gathered, strict=True):
             wholes[index] = whole
     return wholes  # type: ignore[return-value]
+
+
+def byte_runs(items: Sequence[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
+    """`items` in order, cut into runs whose `nbytes` reach `limit` (the last one may be smaller): the batches of one
+    `wholes_of` call each, which bound what is gathered at once."""
+    runs: list[list[T]] = []
+    current: list[T] = []
+    size = 0
+    for item in items:
+        current.append(item)
+        size += nbytes(item)
+        if size >= limit:
+            runs.append(current)
+            current, size = [], 0
+    return runs + [current] if current else runs
 
 
 def _row_sharded_key(tensor: torch.Tensor) -> tuple | None:

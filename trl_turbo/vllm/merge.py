@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..sharding.dtensor import local_of, whole_of, wholes_of
+from ..sharding.dtensor import byte_runs, local_of, whole_of, wholes_of
 from ..sharding.tp_layout import fsdp2_chunk
 from .host_copy import HostCopy, guard_model
 
@@ -88,20 +88,13 @@ def factors_of(targets: Sequence[LoraTarget | None],
     """Each target's `factors()` in order (None for None), the sharded layers' factors gathered whole in batches of
     about `batch_bytes` with one all-gather each, instead of two per layer (no autograd history). Collective: every
     rank walks the same targets in the same order."""
-    index = 0
-    while index < len(targets):
-        batch, size = [], 0
-        while index < len(targets) and (not batch or size < batch_bytes):
-            target = targets[index]
-            batch.append(target)
-            size += sum(f.numel() * f.element_size() for f in target.sharded_factors()) if target else 0
-            index += 1
-        sharded = [f for target in batch if target is not None for f in target.sharded_factors()]
-        wholes = iter(wholes_of(sharded))
-        for target in batch:
+    listed = [(target, target.sharded_factors() if target is not None else []) for target in targets]
+    for batch in byte_runs(listed, lambda item: sum(f.numel() * f.element_size() for f in item[1]), batch_bytes):
+        wholes = iter(wholes_of([factor for _, factors in batch for factor in factors]))
+        for target, factors in batch:
             if target is None:
                 yield None
-            elif target.sharded_factors():
+            elif factors:
                 yield target.cut(next(wholes), next(wholes))
             else:
                 yield target.factors()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..sharding.dtensor import local_of, wholes_of
+from ..sharding.dtensor import byte_runs, local_of, wholes_of
 
 # Whole tensors gathered before one call of vLLM's loader: a batch is handed over once it reaches this size
 RELOAD_BATCH_BYTES = 256 << 20
@@ -59,26 +59,15 @@ class WeightCopies:
         reloads = [] if casts_only else self.reloads
         if reloads and self.load is None:
             raise RuntimeError("trl_turbo: no loader for the weights vLLM lays out itself")
-        for batch in _batches(reloads, RELOAD_BATCH_BYTES):
+        # in batches of whole tensors' bytes (a DTensor's numel is the whole tensor's)
+        for batch in byte_runs(reloads, lambda reload: reload[1].numel() * reload[1].element_size(),
+                               RELOAD_BATCH_BYTES):
             wholes = wholes_of([param.detach() for _, param in batch])  # one gather for the batch's shards
             self.load([(name, whole) for (name, _), whole in zip(batch, wholes, strict=True)])
         _synchronize()
         end = time.perf_counter()
         self.split.update({"vllm/weight_cast_s": cast_done - start, "vllm/weight_reload_s": end - cast_done})
         return end - start
-
-
-def _batches(reloads: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """`reloads` in order, cut into runs whose whole tensors reach `limit` bytes (the last one may be smaller)."""
-    batches: list[list[tuple[str, torch.Tensor]]] = []
-    current, size = [], 0
-    for name, param in reloads:
-        current.append((name, param))
-        size += param.numel() * param.element_size()  # a DTensor counts whole
-        if size >= limit:
-            batches.append(current)
-            current, size = [], 0
-    return batches + [current] if current else batches
 
 
 def _synchronize() -> None:

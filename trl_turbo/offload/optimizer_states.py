@@ -58,7 +58,7 @@ class OptimizerStateOffload:
         # (id of a parameter's state dict, the state's name) -> its host storage, and the state it holds the values of
         self._host: dict[tuple[int, str], HostBlocks] = {}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
-        self.metrics: dict[str, float] = {}
+        self._timing: _StepTiming | None = None  # the last step's, until its metric is read
         self._step = original = optimizer.step
         if hasattr(original, "_wrapped_by_lr_sched"):  # an LR scheduler counts the steps through it: keep its mark
             @functools.wraps(original)
@@ -82,9 +82,9 @@ class OptimizerStateOffload:
         if closure is not None:
             self.fetch_all()
             loss = self._step(closure)
-            self._send(self._states(p for group in self.optimizer.param_groups for p in group["params"]))
+            self._send(self._all_states())
             return loss
-        start = time.perf_counter()
+        timing = _StepTiming(self.pin)
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         try:
@@ -98,19 +98,21 @@ class OptimizerStateOffload:
         finally:
             for group, params in zip(groups, everything, strict=True):
                 group["params"] = params
-        if self.pin:
-            torch.cuda.synchronize()  # the step's copies, both ways, are in its time
-        self.metrics["offload/optimizer_step_s"] = time.perf_counter() - start
+        self._timing = timing.stop()
         return None
 
     def take_metrics(self) -> dict[str, float]:
-        """The last step's time (copies included) and the host memory the states take, as metrics."""
-        metrics, self.metrics = self.metrics, {}
-        return {**metrics, "offload/optimizer_states_host_gib": self.host_bytes / 2**30}
+        """The last step's time (copies included; read when asked, never waited for in the step) and the host memory
+        the states take, as metrics."""
+        metrics = {"offload/optimizer_states_host_gib": self.host_bytes / 2**30}
+        if self._timing is not None:
+            metrics["offload/optimizer_step_s"] = self._timing.seconds()
+            self._timing = None
+        return metrics
 
     def fetch_all(self) -> None:
         """Every state back on the device (before `state_dict`, or a step with a closure)."""
-        self._fetch(self._states(p for group in self.optimizer.param_groups for p in group["params"]))
+        self._fetch(self._all_states())
 
     def close(self) -> None:
         """Every state back on the device, the optimizer as it was."""
@@ -123,6 +125,9 @@ class OptimizerStateOffload:
         self._pool.close()
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _all_states(self) -> list[tuple[dict[str, Any], str]]:
+        return self._states(p for group in self.optimizer.param_groups for p in group["params"])
+
     def _forget(self) -> None:
         """After `load_state_dict`: the loaded states are new tensors on the device; the old host storage is free for
         them."""
@@ -187,6 +192,29 @@ class OptimizerStateOffload:
             blocks = self._host[(id(holder), name)]
             local.untyped_storage().resize_(blocks.nbytes)
             blocks.load(flat_bytes(local), non_blocking=self.pin)
+
+
+class _StepTiming:
+    """A step's time: CUDA events on the current stream where the copies run there (the host never waits for them
+    in the step), else the wall clock."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        if self._events is not None:
+            self._events[0].record()
+        self._start, self._end = time.perf_counter(), None
+
+    def stop(self) -> _StepTiming:
+        if self._events is not None:
+            self._events[1].record()
+        self._end = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._end - self._start
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1000
 
 
 def _owns_resizable_storage(tensor: torch.Tensor) -> bool:

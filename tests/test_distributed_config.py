@@ -163,7 +163,8 @@ def test_fsdp2_sharing_refusals_name_the_fix(monkeypatch):
 def test_features_every_strategy_supports_validate_everywhere(monkeypatch):
     """The fused loss, its loss variants and IS modes have no strategy condition (TRL gathers the head weight under
     ZeRO-3/FSDP; the loss reduces like TRL's); their validation passes under every strategy."""
-    assert set(FEATURE_STRATEGIES) == {"turbo_offload_checkpoints", "turbo_tiled_mlp", "turbo_vllm_shared_weights"}
+    assert set(FEATURE_STRATEGIES) == {"turbo_offload_checkpoints", "turbo_tiled_mlp", "turbo_vllm_shared_weights",
+                                       "turbo_offload_optimizer_states"}
     for strategy in Strategy:
         with monkeypatch.context() as scoped:
             world_size = _launch(scoped, strategy)

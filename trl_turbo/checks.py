@@ -168,12 +168,10 @@ def _check_optimizer_states(args: Any, settings: Settings) -> None:
     under FSDP's parameter offload, which keeps them on the host already."""
     if not settings.offload_optimizer_states:
         return
-    strategy = detect_strategy(args)
-    if strategy in (Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3):
-        raise ValueError(f"`turbo_offload_optimizer_states=True` moves the states of the torch optimizer the Trainer "
-                         f"steps; under {strategy.value} DeepSpeed steps its own: set `offload_optimizer: "
-                         "{device: cpu}` in the DeepSpeed config instead, or set it to False.")
-    if strategy in (Strategy.FSDP1, Strategy.FSDP2) and fsdp_offloads_params():
+    reason = unsupported_features(args, ["turbo_offload_optimizer_states"]).get("turbo_offload_optimizer_states")
+    if reason is not None:
+        raise ValueError(f"`turbo_offload_optimizer_states=True` cannot work here: {reason}. Or set it to False.")
+    if detect_strategy(args) in (Strategy.FSDP1, Strategy.FSDP2) and fsdp_offloads_params():
         raise ValueError("`turbo_offload_optimizer_states=True` with `fsdp_offload_params: true`: FSDP keeps the "
                          "parameters and the optimizer's states on the host already; set one of them off.")
 

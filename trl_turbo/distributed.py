@@ -58,6 +58,11 @@ FEATURE_STRATEGIES: dict[str, tuple[frozenset[Strategy], str]] = {
         "the training model's frozen weights become views of vLLM's weights, whole or tensor-parallel slices; "
         "ZeRO-3 and FSDP1 keep a flat shard of each weight per rank, which is neither",
     ),
+    "turbo_offload_optimizer_states": (
+        ALL_STRATEGIES - {Strategy.ZERO1, Strategy.ZERO2, Strategy.ZERO3},
+        "it moves the states of the torch optimizer the Trainer steps, and DeepSpeed steps its own: set "
+        "`offload_optimizer: {device: cpu}` in the DeepSpeed config instead",
+    ),
 }
 
 

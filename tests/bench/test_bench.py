@@ -297,14 +297,10 @@ def test_e2e_presets_and_overrides():
         workload("--preset", "realistic", "--micro-batch", "24")
 
 
-def test_e2e_gpu_cap_is_one_gpu_only_and_shows_in_rows_and_plot(tmp_path):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    e2e.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["e2e", "--shape", "tiny", "--gpu-gib", "5", "--launches", "1gpu,multi_gpu"])
-    with pytest.raises(SystemExit, match="one-GPU run"):
-        e2e.run(args)
+def test_e2e_gpu_cap_counts_the_drivers_context_on_gpu0_only_and_shows_in_rows_and_plot(tmp_path):
+    spec = {"device_used_before": 5 * 2**29}
+    assert e2e.others_before(spec, torch.device("cuda", 0)) == 5 * 2**29
+    assert e2e.others_before(spec, torch.device("cuda", 3)) == 0  # a launched rank's own GPU
     capped = {**_e2e_row("turbo", 20.0, 4.6), "cap_gib": 5.0, "others_gib": 0.5}
     assert "(capped at 5 GiB) own peak=  4.10 GiB " in e2e.format_row(capped)
     assert "capped at 5 GiB" in e2e.format_row({"variant": "stock", "ok": False, "error": "OOM", "cap_gib": 5.0})

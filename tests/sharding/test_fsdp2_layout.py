@@ -7,8 +7,8 @@ A tiny Llama (4 heads, hidden 64, intermediate 128, 2 layers) is sharded per dec
 models: 2 KV heads and a 128-token vocabulary (everything but the norms shared), and 1 KV head with a 100-token tied
 vocabulary (k/v replicated by vLLM and the vocabulary padded: own copies, FSDP2's default Shard(0)). The sharded
 model's logits equal the unsharded model's and backward runs, so Shard(1) on o_proj/down_proj gathers back right.
-Launched with `torch.distributed.run`, as the other multi-process tests; a slow variant runs 4 processes as 2
-"nodes" of 2 on a (replicate, shard) = (2, 2) HSDP mesh from `hsdp_mesh`.
+Launched with `torch.distributed.run`, as the other multi-process tests; slow variants run 4 processes: as 2
+"nodes" of 2 on a (replicate, shard) = (2, 2) HSDP mesh from `hsdp_mesh`, and as one tensor-parallel group of 4.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent(
     rank = dist.get_rank()
     tp_rank = layout.coordinates(rank)[1]
     report = {}
-    for case, (kv_heads, vocab, tied) in {"gqa": (2, 128, False), "mqa_padded_tied": (1, 100, True)}.items():
+    tp = layout.tp_size
+    for case, (kv_heads, vocab, tied) in {"gqa": (tp, 128, False), "mqa_padded_tied": (1, 100, True)}.items():
         model = tiny_model("llama", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                            num_key_value_heads=kv_heads, head_dim=16, layers=2, tie_word_embeddings=tied)
         reference = copy.deepcopy(model)
@@ -62,25 +63,25 @@ SCRIPT = textwrap.dedent(
         packed = {}
         for name, param in model.named_parameters():
             local = param.to_local()
-            tp = tp_layout(name, full[name].shape, facts, layout.tp_size, tp_rank)
+            sliced = tp_layout(name, full[name].shape, facts, tp, tp_rank)
             if planned[name].kind == "shared":
-                s = tp.slice
-                assert param.placements == (*across, Shard(tp.fsdp_dim)), (name, param.placements)
+                s = sliced.slice
+                assert param.placements == (*across, Shard(sliced.fsdp_dim)), (name, param.placements)
                 assert torch.equal(local, full[name].narrow(s.dim, s.start, s.length)), name
                 sizes = list(full[name].shape)
                 sizes[s.dim] = s.local_size
-                target = packed.setdefault(tp.vllm_name, torch.full(sizes, float("nan")))
+                target = packed.setdefault(sliced.vllm_name, torch.full(sizes, float("nan")))
                 target.narrow(s.dim, s.offset, s.length).copy_(local)
             else:
                 assert param.placements == (*across, Shard(0)), (name, param.placements)
-                if tp.slice is not None and tp.slice.dim is not None:  # FSDP2's chunk is not vLLM's slice here
-                    vllm_rows = full[name].narrow(tp.slice.dim, tp.slice.start, tp.slice.length)
+                if sliced.slice is not None and sliced.slice.dim is not None:  # FSDP2's chunk is not vLLM's slice
+                    vllm_rows = full[name].narrow(sliced.slice.dim, sliced.slice.start, sliced.slice.length)
                     assert local.shape != vllm_rows.shape or not torch.equal(local, vllm_rows), name
 
         # vLLM's rank tp_rank: qkv = [q_r | k_r | v_r] (QKVParallelLinear), gate_up = [gate_r | up_r]
         attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
-        q_rows, kv_rows = 2 * 16, max(kv_heads // 2, 1) * 16
-        if kv_heads == 2:
+        q_rows, kv_rows, mlp_cols = 4 // tp * 16, max(kv_heads // tp, 1) * 16, 128 // tp
+        if kv_heads == tp:
             expected_qkv = torch.cat([full[f"{attn}.q_proj.weight"][tp_rank * q_rows:(tp_rank + 1) * q_rows],
                                       full[f"{attn}.k_proj.weight"][tp_rank * kv_rows:(tp_rank + 1) * kv_rows],
                                       full[f"{attn}.v_proj.weight"][tp_rank * kv_rows:(tp_rank + 1) * kv_rows]])
@@ -89,11 +90,10 @@ SCRIPT = textwrap.dedent(
             assert torch.equal(packed[f"{attn}.qkv_proj.weight"][:q_rows],
                                full[f"{attn}.q_proj.weight"][tp_rank * q_rows:(tp_rank + 1) * q_rows])
             assert packed[f"{attn}.qkv_proj.weight"][q_rows:].isnan().all()
-        expected_gate_up = torch.cat([full[f"{mlp}.gate_proj.weight"][tp_rank * 64:(tp_rank + 1) * 64],
-                                      full[f"{mlp}.up_proj.weight"][tp_rank * 64:(tp_rank + 1) * 64]])
+        rows = slice(tp_rank * mlp_cols, (tp_rank + 1) * mlp_cols)
+        expected_gate_up = torch.cat([full[f"{mlp}.gate_proj.weight"][rows], full[f"{mlp}.up_proj.weight"][rows]])
         assert torch.equal(packed[f"{mlp}.gate_up_proj.weight"], expected_gate_up)
-        assert torch.equal(packed[f"{mlp}.down_proj.weight"],
-                           full[f"{mlp}.down_proj.weight"][:, tp_rank * 64:(tp_rank + 1) * 64])
+        assert torch.equal(packed[f"{mlp}.down_proj.weight"], full[f"{mlp}.down_proj.weight"][:, rows])
 
         ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
         logits = model(input_ids=ids).logits
@@ -122,10 +122,11 @@ def _launch(tmp_path, nodes: int, gpus_per_node: int, tp_size: int) -> dict:
     return json.loads(out.read_text())
 
 
-def _check_report(report: dict) -> None:
+def _check_report(report: dict, tp_size: int = 2) -> None:
     gqa, mqa = report["gqa"], report["mqa_padded_tied"]
     assert len(gqa["shared"]) == 2 + 2 * 7 and {v[0] for v in gqa["own_copy"].values()} == {"replicated"}
-    assert mqa["own_copy"]["model.embed_tokens.weight"] == ["vocab_padded", 64 * 64 * 4]
+    # vLLM pads the 100-token vocabulary to 128 rows: each rank's own copy holds 128 / T rows of 64 fp32 columns
+    assert mqa["own_copy"]["model.embed_tokens.weight"] == ["vocab_padded", 128 // tp_size * 64 * 4]
     assert mqa["own_copy"]["model.layers.0.self_attn.k_proj.weight"] == ["kv_replicated", 16 * 64 * 4]
     assert "lm_head.weight" not in mqa["own_copy"] and "lm_head.weight" not in mqa["shared"]  # tied: planned once
 
@@ -140,3 +141,10 @@ def test_hsdp_shards_follow_the_rank_within_its_group(tmp_path):
     """4 processes as 2 'nodes' of 2, T=2: a (2, 2) HSDP mesh; ranks 2 and 3 hold TP ranks 0 and 1's slices (their
     index in the shard group, not their global rank), replicated over the two groups."""
     _check_report(_launch(tmp_path, 2, 2, 2))
+
+
+@pytest.mark.slow
+def test_four_ranks_are_one_tp_group_of_four(tmp_path):
+    """4 processes, T=4 (a 70B model's layout on 4 GPUs): one head of 4 and a quarter of the MLP per rank, the 4 KV
+    heads one per rank (the MQA case's one KV head replicated)."""
+    _check_report(_launch(tmp_path, 1, 4, 4), tp_size=4)

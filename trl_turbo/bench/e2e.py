@@ -293,6 +293,12 @@ def new_row(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
             "rank": int(os.environ.get("RANK", 0)), "processes": int(os.environ.get("WORLD_SIZE", 1))}
 
 
+def others_before(spec: dict[str, Any], device: Any) -> int:
+    """Bytes other processes held on `device` when the variant started: the driver's reading of GPU 0 (its own CUDA
+    context is there); a launched rank on another GPU has it alone."""
+    return spec["device_used_before"] if device.index in (None, 0) else 0
+
+
 def grpo_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """The GRPOConfig every variant shares: the workload, the optimizer and TRL's colocated vLLM."""
     per_step = spec["prompts"] * spec["generations"]  # completions generated (and trained on) per optimizer step
@@ -334,7 +340,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     torch.cuda.set_device(device)
     torch.cuda.init()
-    cap = (cap_process_memory(int(spec["gpu_gib"] * GIB), device, others_bytes=spec["device_used_before"])
+    cap = (cap_process_memory(int(spec["gpu_gib"] * GIB), device, others_bytes=others_before(spec, device))
            if spec.get("gpu_gib") is not None else {})
     config = GRPOConfig(**grpo_kwargs(spec), gradient_checkpointing=True,
                         model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized
@@ -575,8 +581,6 @@ def run(args: argparse.Namespace) -> Path:
         if clash and variant != "stock":
             raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
     launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
-    if args.gpu_gib is not None and launches != [SINGLE_GPU]:
-        raise SystemExit("--gpu-gib caps a one-GPU run; leave --launches at 1gpu")
     if args.vllm_tp > 1 and (SINGLE_GPU in launches or args.processes % args.vllm_tp):
         raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {args.processes}, without a 1gpu launch")
     refused = peers.refusals(variants, launches, single_gpu=SINGLE_GPU, gpu_gib=args.gpu_gib,
@@ -810,8 +814,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size (every variant)")
     parser.add_argument("--full-finetuning", action="store_true", help="train every weight (no LoRA adapter)")
     parser.add_argument("--gpu-gib", type=float, default=None,
-                        help="cap each variant's process at this much device memory (a smaller GPU): torch's "
-                             "per-process fraction, less the CUDA context the driver holds; one GPU only")
+                        help="cap each variant's process (each rank, under a launch) at this much device memory "
+                             "(a smaller GPU): torch's per-process fraction, less the CUDA context the driver holds")
     parser.add_argument("--turbo-set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a trl_turbo GRPOConfig field for the turbo variants (repeatable; VALUE as JSON)")
     parser.add_argument("--checkpoint", default=None, help="where the random-init checkpoint is saved (reused)")

@@ -463,3 +463,23 @@ def test_e2e_never_reports_a_warm_up_step_as_timed():
     steps = [{"step_s": 45.0, "generate_s": 20.0, "sync_s": 0.1, "peak_gib": 30.0}]
     summary = e2e.summarize(steps, warmup=1)
     assert summary["peak_gib"] == 30.0 and summary["step_s"] is None and summary["generate_s"] is None
+
+
+def test_a_steps_peak_includes_what_came_before_it_since_start_up(monkeypatch):
+    """accelerate prepares the model inside `train()`, before the first step begins (FSDP2 shards it there): that
+    memory is part of the run's peak, not dropped between start-up and the first step."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    readings = iter([{"setup": 70 * 2**30}, {"train": 50 * 2**30}, {"between": 2**30},
+                     {"train": 52 * 2**30}])
+    sampler = SimpleNamespace(phase="setup", take_peaks=lambda: next(readings))
+    callbacks, steps = [], []
+    trainer = SimpleNamespace(vllm_generation=None, add_callback=callbacks.append)
+    with e2e._instrument(trainer, sampler, steps, lambda: None):
+        for _ in range(2):
+            callbacks[0].on_step_begin(None, None, None)
+            callbacks[0].on_step_end(None, None, None)
+    assert [step["peak_gib"] for step in steps] == [70, 52]
+    assert [step["before_peak_gib"] for step in steps] == [70, 1]
+    assert e2e.summarize(steps, warmup=1)["peak_gib"] == 70  # the warm-up step's, preparation included

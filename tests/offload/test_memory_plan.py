@@ -124,10 +124,12 @@ def test_plans_follow_the_budget_and_gradients_stay_exact(free_bytes, offload, e
         _grads(probe, token_batch())
         measured = probe_planner.take_step_plans()[0]
         # margin floor, layer 0, its recompute, the head's four fp32 hidden states (this model is fp32), two inputs
-        # in flight to the host, two kept layers and one input on the device
+        # in flight to the host, two kept layers and one input on the device, and the gradients of every weight (this
+        # model trains them all), which its backward allocates
         head = 4 * measured.input_bytes
+        gradients = sum(p.numel() * p.element_size() for p in probe.parameters() if p.requires_grad)
         free_bytes = ((1 << 30) + 2 * measured.layer_bytes + head + 2 * measured.input_bytes
-                      + 2 * measured.layer_bytes + measured.input_bytes)
+                      + 2 * measured.layer_bytes + measured.input_bytes + gradients)
     model, planner = _planned(free_bytes, offload)
     model.load_state_dict(reference_model.state_dict())
     turbo_loss, turbo_grads = _grads(model, token_batch())
@@ -343,6 +345,37 @@ def test_the_planner_prices_groups_from_its_last_measurement(monkeypatch):
     planner.last_budget = ((1 << 30) + 9 * measured.layer_bytes // 2 + head // 2, 0, 1 << 30)
     assert planner.plan_for(sequences * length).kept_layers < 6 and planner.plan_for(length).kept_layers == 6
     assert planner.group_tokens(sequences, length, None) == sequences // 2 * length
+
+
+def test_a_planner_that_measured_nothing_prices_groups_from_its_prior(monkeypatch):
+    """A first forward too large to keep its first layer runs frugally and measures nothing (a 70B model's first
+    micro-batch under its standby ceiling); its later micro-batches are still split where that fits better, priced
+    from the prior, as the forecast prices them, instead of running whole for the rest of the run."""
+    from trl_turbo.offload import memory_plan
+
+    monkeypatch.setattr(memory_plan, "MIN_PLANNED_GROUP_TOKENS", 1)
+    model, planner = _planned(0)
+    batch = token_batch()
+    sequences, length = batch.shape
+    _grads(model, batch)
+    assert planner.bytes_per_token is None and planner.current.kept_layers == 0  # nothing was measured
+    prior = memory_plan.PRIOR_LAYER_BYTES_PER_INPUT_BYTE * planner.input_bytes_per_token
+    assert planner.plan_for(length).layer_bytes == prior * length
+    assert planner.group_tokens(sequences, length, None) == length  # nothing fits: the smallest peak, one sequence
+    planner.last_budget = (1 << 40, 0, 1 << 30)
+    assert planner.group_tokens(sequences, length, None) == sequences * length  # room: one forward keeps it all
+
+
+def test_the_planner_reserves_the_gradients_a_step_has_not_allocated_yet():
+    """Full fine-tuning sets every gradient to None between steps and its backward allocates them mid-plan: the
+    budget keeps their bytes free until they exist."""
+    model, planner = _planned(1 << 40)
+    device = torch.device("cpu")
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert trainable > 0
+    before = planner._budget(device)[2]
+    _grads(model, token_batch())
+    assert before - planner._budget(device)[2] == trainable  # after the backward they are allocated, not reserved
 
 
 def test_sequence_groups_follow_the_planned_group_size():

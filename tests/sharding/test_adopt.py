@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
         # tensors with a scale each, as vLLM's online fp8 holds them)
         def __init__(self, facts, shapes, corrupt=None, dtype=torch.float32, fp8=False):
             self.tp_rank, self.facts, self.corrupt, self.tensors = rank, facts, corrupt, {}
-            self.scales, self.loaded = {}, []
+            self.scales, self.loaded, self.in_place = {}, [], []
             for name, shape in shapes.items():
                 layout = tp_layout(name, shape, facts, T, rank)
                 size = list(shape)
@@ -75,6 +75,8 @@ SCRIPT = textwrap.dedent(
             piece = full.narrow(s.dim, s.start, s.length)
             if hf_name == self.corrupt:
                 piece = piece + 1
+            if torch.equal(target.narrow(s.dim, s.offset, s.length), piece):
+                self.in_place.append(hf_name)  # already there: written while accelerate loaded the shards
             target.narrow(s.dim, s.offset, s.length).copy_(piece)
 
         def slice_of(self, layout):
@@ -103,14 +105,14 @@ SCRIPT = textwrap.dedent(
             return 1
 
 
-    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None, fp8=None):
+    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None, fp8=None, efficient=False):
         state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, fp8=None, weight_copies=None,
                                 standby=standby)
         share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged, fp8=fp8, park_fp8_base=True)
         registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False)
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=efficient)
         accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
                                       mixed_precision="no", device=torch.device("cpu"), is_main_process=rank == 0)
         return accelerate.accelerator.fsdp2_prepare_model(accelerator, model), share, state
@@ -133,6 +135,24 @@ SCRIPT = textwrap.dedent(
     report["own_copies"] = sorted(share.result.own_copies)
     report["shared_bytes"] = state.shared_bytes
     report["engine_nan"] = any(t.isnan().any().item() for t in engine.tensors.values())
+    report["in_place"] = len(engine.in_place)
+
+    # accelerate's memory-efficient loading (TRL's fsdp2.yaml): rank 0's weights are broadcast and each shared shard
+    # is written straight into the engine, never kept beside it (the other ranks start from empty weights)
+    model = build()
+    if rank != 0:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+    engine = Engine(facts, shapes)
+    model, share, state = prepare(model, engine, efficient=True)
+    storages = {t.untyped_storage().data_ptr() for t in engine.tensors.values()}
+    report["efficient"] = {
+        "shared": len(share.result.shared), "in_place": sorted(set(engine.in_place)),
+        "adopted": sum(fp._sharded_param_data.untyped_storage().data_ptr() in storages
+                       for fp in fsdp_params(model).values())}
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
@@ -304,6 +324,10 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
                                                for n in ("input_layernorm", "post_attention_layernorm")]
                                               + ["model.norm.weight"])
         assert report["shared_bytes"] > 0 and not report["engine_nan"]
+        assert report["in_place"] == 0  # without memory-efficient loading the engine is filled afterwards
+        efficient = report["efficient"]
+        assert efficient["shared"] == efficient["adopted"] == 16
+        assert len(efficient["in_place"]) == 16  # every shared shard was already the engine's when it loaded
         assert report["lora_moved"] and report["base_unchanged"]
         assert report["adopted_after_refusal"] == 0
         assert report["merge_gathers"] == report["fp8_gathers"] == 1

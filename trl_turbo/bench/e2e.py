@@ -459,7 +459,9 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
     class StepRecorder(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             torch.cuda.synchronize()
-            sampler.take_peaks()
+            # what the device held since start-up or the last step: before the first, accelerate's preparation
+            # inside `train()` (FSDP2 shards the model there), part of the run's peak like any step
+            self.before = max(sampler.take_peaks().values(), default=0)
             sampler.phase = "train"
             phases.clear()
             self.start = time.perf_counter()
@@ -470,7 +472,8 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
             peaks = sampler.take_peaks()
             steps.append({"step_s": step_s, **phases,
                           **{f"{phase}_peak_gib": used / GIB for phase, used in peaks.items()},
-                          "peak_gib": max(peaks.values(), default=0) / GIB})
+                          "before_peak_gib": self.before / GIB,
+                          "peak_gib": max(self.before, *peaks.values()) / GIB})
             sampler.phase = "between"
             on_step()
 

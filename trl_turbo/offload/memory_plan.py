@@ -301,16 +301,26 @@ class MemoryPlanner:
     def _budget(self, device: torch.device) -> tuple[int, int, int] | None:
         """(free bytes the layers may count on, bytes allocated, margin to keep), or None: no device to plan for.
         Under a ceiling: the smaller of the device's and the ceiling's budgets, each less its own margin."""
+        reserve = self.extra_reserve_bytes + self._sharded_reserve() + self._unborn_gradient_bytes()
         if self.budget is not None:
             free, allocated, total = self.budget(device)
-            return free, allocated, reserve_margin(total, self.extra_reserve_bytes + self._sharded_reserve())
+            return free, allocated, reserve_margin(total, reserve)
         if device.type != "cuda":
             return None
         free, allocated, total = device_budget(device)
         ceiling = self.ceiling() if self.ceiling is not None else None
         under_ceiling = device_budget(device, ceiling)[0] if ceiling is not None else None
-        free, margin = spendable(free, under_ceiling, total, self.extra_reserve_bytes + self._sharded_reserve())
+        free, margin = spendable(free, under_ceiling, total, reserve)
         return free, allocated, margin
+
+    def _unborn_gradient_bytes(self) -> int:
+        """Bytes of the gradients this step's backward will allocate and no earlier one has: every trainable
+        parameter (its local shard) without a gradient yet. Large with full fine-tuning (gradients are set to None
+        between steps), where they are allocated in the middle of the planned forward's backward. The layer whose
+        forward is being planned has its parameters gathered by FSDP2 at that moment: they count whole (one layer's
+        shard too many, on the safe side)."""
+        return sum(local_of(p).numel() * local_of(p).element_size() for p in self.parameters()
+                   if p.requires_grad and p.grad is None)
 
     def _sharded_reserve(self) -> int:
         """`sharded_reserve_bytes` when FSDP2 shards the model over more than one rank (a DTensor parameter whose
@@ -343,11 +353,8 @@ class MemoryPlanner:
             self.step_plans.append(plan)
             return output
         free, allocated, margin = budget
-        estimate = (int(self.bytes_per_token * tokens) if self.bytes_per_token is not None
-                    else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes)
-        working = (int(self.plain_bytes_per_token * tokens) if self.plain_bytes_per_token is not None
-                   else PRIOR_LAYER_BYTES_PER_INPUT_BYTE * input_bytes
-                   * recompute_working_factor(self.untiled_recompute))
+        layer_per_token, working_per_token = self._per_token_bytes()
+        estimate, working = int(layer_per_token * tokens), int(working_per_token * tokens)
         first_kept = first_layer_fits(free, margin, head_bytes, estimate, working)
         if first_kept:
             # an FSDP2 parameter outside the gathered layer is a DTensor, whose storage is its local shard
@@ -370,17 +377,30 @@ class MemoryPlanner:
         """Whether the current forward's plan keeps any layer: only then was its untiled recompute reserved."""
         return self.current is not None and self.current.kept_layers > 0
 
+    def _per_token_bytes(self) -> tuple[float, float]:
+        """(a kept layer's bytes, a layer's backward working set) per token: as last measured, else the prior on
+        the last layer input seen."""
+        prior = PRIOR_LAYER_BYTES_PER_INPUT_BYTE * self.input_bytes_per_token
+        layer = self.bytes_per_token if self.bytes_per_token is not None else prior
+        working = (self.plain_bytes_per_token if self.plain_bytes_per_token is not None
+                   else prior * recompute_working_factor(self.untiled_recompute))
+        return layer, working
+
     def plan_for(self, tokens: int) -> LayerPlan:
-        """The plan a forward of `tokens` tokens would get from the last budget and measurement."""
+        """The plan a forward of `tokens` tokens would get from the last budget and measurement (before any
+        measurement: the prior, as the first layer's plan uses it)."""
         free, allocated, margin = self.last_budget
-        return plan_tokens(self.layer_count, tokens, self.bytes_per_token, self.plain_bytes_per_token,
+        layer_per_token, working_per_token = self._per_token_bytes()
+        return plan_tokens(self.layer_count, tokens, layer_per_token, working_per_token,
                            self.input_bytes_per_token, self.head_bytes_per_token, free, allocated, margin,
                            self.can_offload)
 
     def group_tokens(self, sequences: int, length: int, max_tokens: int | None) -> int | None:
         """Tokens per sequence group for a micro-batch of `sequences` x `length` tokens, forwards of at most
-        `max_tokens` (`fastest_group_rows`); None before any forward was measured against a device budget."""
-        if self.bytes_per_token is None or self.plain_bytes_per_token is None or self.last_budget is None:
+        `max_tokens` (`fastest_group_rows`); None before any forward was planned against a device budget. A forward
+        too large to measure its first layer is priced from the prior, so a run whose first forward ran frugally
+        still finds the split that fits its budget."""
+        if self.last_budget is None or not self.input_bytes_per_token:
             return None
         return length * fastest_group_rows(sequences, length, max_tokens, self.layer_count, self.plan_for)
 

@@ -3,9 +3,10 @@ on the policy model, FSDP2 shards it on vLLM's tensor-parallel dimensions and it
 
 Seam: the module attribute `fsdp2_prepare_model` that `Accelerator.prepare_model` calls. For that call only,
 `torch.distributed.fsdp.fully_shard` (which accelerate imports inside the function) gets the placement and mesh of
-the waiting `trl_turbo.vllm.sharded.ShardedShare`; once accelerate is done (its fp32 upcast, its broadcast of rank
-0's weights with `cpu_ram_efficient_loading`), the share is completed. Every other model is prepared as accelerate
-does it.
+the waiting `trl_turbo.vllm.sharded.ShardedShare`, and `fsdp2_load_full_state_dict` (the module attribute accelerate
+calls with `cpu_ram_efficient_loading`) writes each shared shard of rank 0's broadcast weights straight into the
+engine; once accelerate is done (its fp32 upcast, that broadcast), the share is completed. Every other model is
+prepared as accelerate does it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ def _wrap_fsdp2_prepare_model(original):
         share = pending_share(model)
         if share is None:
             return original(accelerator, model)
+        import accelerate.utils.fsdp_utils as fsdp_utils
         import torch.distributed.fsdp as fsdp
 
         placing = share.placing(fsdp.fully_shard, model, accelerator.device.type)
-        with registry.scoped(fsdp, "fully_shard", placing):
+        loading = share.loading_in_place(fsdp_utils.fsdp2_load_full_state_dict)
+        with (registry.scoped(fsdp, "fully_shard", placing),
+              registry.scoped(fsdp_utils, "fsdp2_load_full_state_dict", loading)):
             prepared = original(accelerator, model)
         share.complete(prepared)
         return prepared

@@ -7,9 +7,11 @@ training starts), with dummy weights and nothing shared: under FSDP2 the model w
 `ShardedShare` on the policy model; accelerate's FSDP2 preparation (`patches.accelerate_fsdp2`) finds it there and
 has `fully_shard` place each projection on vLLM's dimension over a mesh whose shard groups are the TP groups
 (`placing`), then fills the engine from the sharded model and adopts its slices (`complete`,
-`trl_turbo.sharding.adopt`). Until then the engine holds no weights worth sampling from; TRL samples only once
-training has started. With fp8 sampling the projections are not shared: vLLM holds them in fp8, written per rank
-from FSDP2's shards of them (which are its slices all the same) before each generation (`fp8_on_shards`).
+`trl_turbo.sharding.adopt`). With accelerate's memory-efficient loading the shards are written into the engine as
+accelerate distributes them (`loading_in_place`), so start-up never holds the shared weights twice. Until then the
+engine holds no weights worth sampling from; TRL samples only once training has started. With fp8 sampling the
+projections are not shared: vLLM holds them in fp8, written per rank from FSDP2's shards of them (which are its
+slices all the same) before each generation (`fp8_on_shards`).
 """
 
 from __future__ import annotations
@@ -122,6 +124,53 @@ class ShardedShare:
             return fully_shard(module, *args, **kwargs)
 
         return fully_shard_on_vllm_dims
+
+    def loading_in_place(self, load_full_state_dict: Callable[..., Any]) -> Callable[..., Any]:
+        """accelerate's `fsdp2_load_full_state_dict` (with `cpu_ram_efficient_loading`: rank 0's weights broadcast,
+        each rank keeping its shard of each) with every shard of a shared weight written straight into the engine
+        slice that is to hold it. accelerate keeps each new shard until the whole model is loaded, a second copy
+        of the weights beside the engine's; here each is dropped as soon as it is in the engine. Shards go in the
+        order of `model.state_dict()`, which accelerate walks; a weight whose shard is not exactly its slice (shape,
+        dtype) keeps accelerate's own shard, and `complete` then shares, checks and adopts as it would anyway."""
+
+        @functools.wraps(load_full_state_dict)
+        def load_into_engine(accelerator: Any, model: torch.nn.Module, full_sd: Any, *args: Any,
+                             **kwargs: Any) -> Any:
+            import torch.distributed.tensor as dtensor
+
+            targets = iter(self._engine_slices(model))
+            distribute_tensor = dtensor.distribute_tensor
+
+            def distribute_into_engine(tensor: torch.Tensor, *d_args: Any, **d_kwargs: Any) -> Any:
+                sharded = distribute_tensor(tensor, *d_args, **d_kwargs)
+                shape, view = next(targets, (None, None))
+                local = sharded.to_local()
+                if (view is None or tuple(tensor.shape) != shape or local.shape != view.shape
+                        or local.dtype != view.dtype):
+                    return sharded
+                view.copy_(local)
+                return dtensor.DTensor.from_local(view, sharded.device_mesh, sharded.placements, run_check=False,
+                                                  shape=sharded.shape, stride=sharded.stride())
+
+            with registry.scoped(dtensor, "distribute_tensor", distribute_into_engine):
+                return load_full_state_dict(accelerator, model, full_sd, *args, **kwargs)
+
+        return load_into_engine
+
+    def _engine_slices(self, model: torch.nn.Module) -> list[tuple[tuple[int, ...], torch.Tensor | None]]:
+        """Per entry of `model.state_dict()`, in its order: the whole shape and the engine slice its shard goes into
+        (None: not a weight the plan shares)."""
+        if self.placement is None:
+            return []
+        engine = self.engine()
+        planned = {entry.hf_name: entry for entry in self.placement.plan.params}
+        slices = []
+        for name, tensor in model.state_dict().items():
+            entry = planned.get(hf_weight_name(name))
+            view = (engine.slice_of(entry.layouts[engine.tp_rank])
+                    if entry is not None and entry.kind == "shared" and entry.layouts else None)
+            slices.append((tuple(tensor.shape), view))
+        return slices
 
     def complete(self, model: torch.nn.Module) -> ShardedSharing:
         """Fill the engine from the sharded model and adopt its slices as FSDP2's shards (collective)."""

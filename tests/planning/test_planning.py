@@ -160,6 +160,17 @@ KNOWN_MISSES = dict.fromkeys([("e2e-qwen2.5-32b-realistic-2gpu-tp2-20261127-2257
 # (`ShardedShare.loading_in_place`), not yet measured.
 KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-160231", "turbo")] = 0.45
 KNOWN_MISSES[("e2e-llama-3.1-8b-4gpu-tp4-20261128-155807", "turbo")] = 0.55
+# Full fine-tuning under FSDP2 + TP=2 (8B shape, 16 x 576 tokens, bf16: fp32 masters): stock's rows are within
+# TOLERANCE (their peak is generation); turbo's peak is its training phase, forecast from fp32 weights, gradients
+# and Adam's states (on the host with `turbo_offload_optimizer_states`) with vLLM's cast copy released. In the
+# offloaded row torch's peak (45.11 GiB) counted the 12.19 GiB standby had unmapped: 32.9 GiB were allocated on the
+# device, as forecast (32.4 GiB), while the driver counted 44.57 GiB: torch's cached blocks and NCCL's buffers, which
+# the forecast does not model, are a third of the device here. The rows without the offload miss by the same kind
+# of gap (29 GiB), not broken down.
+for stem in ("e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261127-182353",
+             "e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261128-013723",
+             "e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261128-162103"):
+    KNOWN_MISSES[(stem, "turbo")] = 0.40
 # Stock's KV pool at TP=4 (Llama-3.3-70B): TRL's 0.3 share less vLLM's weight and KV pools left 1.07 GiB of
 # profiling workspace, against the 2.19 GiB `vllm_profile_bytes` fits to 32 and 64 layers at TP 1 and 2: the pool is
 # 7.97 GiB against 7.08 GiB forecast. One row at TP=4 does not yet say how the workspace scales with it.
@@ -212,7 +223,7 @@ def test_per_gpu_forecast_matches_the_current_fsdp2_tensor_parallel_rows(monkeyp
     checked = 0
     for result in _results("e2e"):
         config = result["config"]
-        if result["date"] < FSDP2_TP_CURRENT_FROM or config.get("vllm_tp", 1) < 2 or config["lora"] is None:
+        if result["date"] < FSDP2_TP_CURRENT_FROM or config.get("vllm_tp", 1) < 2:
             continue
         _budget_rule_of(result, monkeypatch)
         spec = _spec(config)
@@ -247,7 +258,14 @@ def test_per_gpu_forecast_matches_the_current_fsdp2_tensor_parallel_rows(monkeyp
                 assert miss <= TOLERANCE, (result["stem"], row["variant"], miss)
             if row["variant"] != "stock":
                 assert forecast.plan.engine.sharded and forecast.plan.engine.tp_size == config["vllm_tp"]
-                assert forecast.phases[-1].parts["weights"] == spec.weight_bytes(False) // config["vllm_tp"]
+                slice_bytes = spec.weight_bytes(False) // config["vllm_tp"]
+                if config["lora"] is not None:
+                    assert forecast.phases[-1].parts["weights"] == slice_bytes
+                else:  # fp32 masters and their gradients; vLLM's own 16-bit slice, released while training
+                    training = forecast.phases[-1].parts
+                    assert training["weights"] == training["gradients"] == 2 * slice_bytes
+                    assert forecast.cast_copy and forecast.phases[0].parts["vLLM weights"] == slice_bytes
+                    assert training["vLLM resident"] == 0
             checked += 1
     assert checked >= 2, checked
 

@@ -27,7 +27,7 @@ def render(plan: Any) -> str:
         f"device {turbo.capacity_bytes / _GIB:.1f} GiB, host {(turbo.host_capacity_bytes or 0) / _GIB:.1f} GiB; "
         f"micro-batch {args.per_device_train_batch_size} x ({turbo.prompt_tokens} prompt + "
         f"{turbo.completion_tokens} completion) tokens; turbo_memory_plan={turbo.plan.memory.mode.value}",
-        *_decisions(turbo.plan, int(getattr(args, "world_size", 1) or 1)),
+        *_decisions(turbo.plan, int(getattr(args, "world_size", 1) or 1), turbo.cast_copy),
         "",
         f"{'phase':<12}{'trl_turbo device':>18}{'host':>9}{'stock TRL device':>20}{'host':>9}   (GiB)",
     ]
@@ -67,7 +67,7 @@ def render(plan: Any) -> str:
     return "\n".join(lines)
 
 
-def _decisions(plan: Any, processes: int = 1) -> list[str]:
+def _decisions(plan: Any, processes: int = 1, cast_copy: bool = False) -> list[str]:
     """The run plan's engine and memory decisions, as a run with this config would make them."""
     lines = []
     engine = plan.engine
@@ -76,7 +76,13 @@ def _decisions(plan: Any, processes: int = 1) -> list[str]:
         lines.append(f"per GPU: FSDP2 over {processes} processes, vLLM tensor-parallel size {tp}"
                      + ("; each rank's FSDP2 shards are its vLLM slices (one copy)"
                         if engine is not None and engine.sharded else ""))
-    if engine is not None and engine.sharing is not None:
+    if engine is not None and engine.full_finetuning:
+        held = ("a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)" if cast_copy
+                else "the trained parameters themselves (no sync)")
+        lines.append(f"vLLM: full fine-tuning, its weights {held}"
+                     + ("; KV cache and the copy released while training (standby)" if engine.standby and cast_copy
+                        else "; KV cache released while training (standby)" if engine.standby else ""))
+    elif engine is not None and engine.sharing is not None:
         held = ("shared with the trainer" if engine.sharing.mode is SharingMode.SHARED
                 else f"a separate 16-bit copy ({'; '.join(engine.sharing.reasons)})")
         lines.append(f"vLLM: base weights {held}; {engine.sampling.value} sampling"

@@ -71,6 +71,7 @@ class RunForecast:
     training: TrainingForecast
     error: str | None = None  # why the run cannot start (vLLM's KV cache does not fit)
     plan: RunPlan | None = None  # trl_turbo's decisions (None: stock TRL)
+    cast_copy: bool = False  # full fine-tuning over fp32 masters: vLLM's own 16-bit copy, cast into at each sync
 
     @property
     def peak_bytes(self) -> int:
@@ -98,7 +99,7 @@ def spec_engine_facts(spec: ModelSpec, *, quantized_4bit: bool, nested_4bit: boo
     return EngineFacts(
         model_type=spec.model_type, quantization=quantization_of(quantized_4bit, nested_4bit),
         four_bit=quantized_4bit, layout_problems=(), merge_problems=(),
-        adapted_weight_bytes=2 * spec.adapted_parameters,
+        adapted_weight_bytes=2 * spec.adapted_parameters, has_adapter=bool(spec.lora_parameters),
         linear_weight_bytes=0 if quantized_4bit else 2 * spec.layer_linear_parameters,
         processes_on_host=processes_on_host,
         host_bytes=host_capacity_bytes if host_capacity_bytes is not None else 2**62,
@@ -109,9 +110,6 @@ def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nes
                 host_capacity_bytes: int | None = None) -> RunPlan:
     """The run plan of `args` (a GRPOConfig's fields) for the model `spec` counts, as a trainer on a CUDA device
     would resolve it; refused as the trainer would refuse it."""
-    if Settings.of(args).vllm_shared_weights and not spec.lora_parameters:
-        raise ValueError("`trl-turbo plan` forecasts shared weights for LoRA runs; full fine-tuning with "
-                         "`turbo_vllm_shared_weights=True` runs, but has no forecast yet.")
     facts = spec_engine_facts(spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
                               host_capacity_bytes=host_capacity_bytes,
                               processes_on_host=getattr(args, "world_size", 1))  # the forecast is of one node
@@ -143,11 +141,12 @@ class _EngineMemory:
 
 def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_bytes: int, static_bytes: int,
                    trainable: int, quantized_4bit: bool, nested_4bit: bool, completion: int,
-                   max_num_seqs: int, tp_size: int = 1) -> _EngineMemory:
+                   max_num_seqs: int, tp_size: int = 1, own_copy: bool = False) -> _EngineMemory:
     """The colocated engine's device memory on one GPU: its weights beyond the trainer's (a 1/`tp_size` slice under
-    tensor parallelism), its KV cache (the automatic budget with shared weights or standby at TRL's default
-    utilization, else TRL's share of the device; the rank's KV heads), its workspace."""
-    shared = engine_plan is not None and engine_plan.shares_weights
+    tensor parallelism; `own_copy`: its own 16-bit copy even with shared weights, as over fp32 masters), its KV
+    cache (the automatic budget with shared weights or standby at TRL's default utilization, else TRL's share of the
+    device; the rank's KV heads), its workspace."""
+    shared = engine_plan is not None and engine_plan.shares_weights and not own_copy
     fp8 = shared and engine_plan.sampling is SamplingMode.FP8
     step_workspace = sampling_workspace_bytes(max_num_seqs, spec.vocab_size, spec.hidden_size)
     workspace = vllm_profile_bytes(spec.layers)
@@ -163,7 +162,9 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
         weights = spec.weight_bytes(quantized_4bit, nested_4bit=False) // tp_size
     utilization = _field(args, "vllm_gpu_memory_utilization")
     standby = engine_plan is not None and engine_plan.standby
-    if not ((shared or standby) and utilization == _trl_default("vllm_gpu_memory_utilization")):
+    budgeted = engine_plan is not None and (engine_plan.shares_weights or standby)  # trl_turbo sizes the KV cache
+    sized_by_trl = not (budgeted and utilization == _trl_default("vllm_gpu_memory_utilization"))
+    if sized_by_trl:
         kv_cache = max(0, int(utilization * capacity_bytes) - weights - workspace)
         error = None if kv_cache else (f"vllm_gpu_memory_utilization={utilization} leaves vLLM no KV cache next to "
                                        f"its {weights / 2**30:.1f} GiB of weights")
@@ -202,24 +203,35 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     engine_plan = plan.engine if plan is not None else None
     completion = completion_tokens or args.max_completion_length
     weights = spec.weight_bytes(quantized_4bit, nested_4bit)
-    # full fine-tuning: fp32 master weights are not modelled; the 16-bit ones train
     adapter = 4 * spec.lora_parameters
     trainable = spec.lora_parameters or spec.parameters
     shared = engine_plan is not None and engine_plan.shares_weights
+    processes, tp = fsdp2_layout(args)
+    # full fine-tuning trains every weight in its stored dtype (16 bits), except under FSDP2 with mixed precision,
+    # where accelerate keeps fp32 masters: vLLM then holds a 16-bit copy of its own, cast into at each sync
+    full = not spec.lora_parameters
+    master_bytes = 4 if full and detect_strategy(args) is Strategy.FSDP2 and _mixed_precision(args) else 2
+    vllm_copy = full and master_bytes == 4
+    if full:
+        weights = master_bytes * spec.parameters
     # FSDP2 over `processes` GPUs: each holds 1/shards of the weights and the training state, its shard group being
     # every process, or with shared weights its vLLM tensor-parallel group (HSDP when there are more processes, each
     # shard then a vLLM slice); one layer is gathered whole at a time
-    processes, tp = fsdp2_layout(args)
     gathered = sharded_reserve = 0
     if processes > 1:
         shards = tp if shared else processes
-        layer_bytes = weights // max(1, spec.layers)  # gathered in the 16-bit compute dtype
+        layer_bytes = spec.weight_bytes(quantized_4bit, nested_4bit) // max(1, spec.layers)  # gathered in 16 bits
         whole = gathered_model_bytes(spec, quantized_4bit, nested_4bit)
         sharded_reserve = sharded_reserve_bytes(whole, spec.layers) if shards > 1 else 0
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
         gathered = 2 * layer_bytes if shards > 1 else 0  # the layer computing and the one prefetched
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * trainable
+    # Adam's two moments in the trained parameters' dtype (fp32 for adapters and masters); on the host when offloaded
+    optimizer = (OPTIMIZER_BYTES_PER_PARAM if not full else 2 * master_bytes) * trainable
+    host_optimizer = 0
+    if plan is not None and plan.memory.optimizer_states_offload:
+        optimizer, host_optimizer = 0, optimizer
+    gradients = master_bytes * trainable if full else 0  # an adapter's are part of the training forecast
     static = weights + adapter
     standby = engine_plan is not None and engine_plan.standby
     error = None
@@ -230,33 +242,44 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         max_num_seqs = args.per_device_train_batch_size * (_field(args, "steps_per_generation") or 1) * tp or 256
         engine = _engine_memory(args, spec, engine_plan, capacity_bytes=capacity_bytes, static_bytes=static,
                                 trainable=trainable, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
-                                completion=completion, max_num_seqs=min(max_num_seqs, 256), tp_size=tp)
+                                completion=completion, max_num_seqs=min(max_num_seqs, 256), tp_size=tp,
+                                own_copy=vllm_copy)
         error = engine.error
         parts = {"weights": weights, "adapter": adapter, "vLLM weights": engine.weights, "KV cache": engine.kv_cache,
                  "vLLM workspace": engine.workspace}
         phases.append(Phase("start-up", static + engine.total, 0, parts))
         # merged sampling's host copy of the adapted weights: of the rank's slices under tensor parallelism
         merged_host = 2 * spec.adapted_parameters // tp if shared and engine_plan.sampling is SamplingMode.MERGED else 0
-        phases.append(Phase("generation", static + optimizer + engine.total, merged_host,
+        phases.append(Phase("generation", static + optimizer + engine.total, merged_host + host_optimizer,
                             {**parts, "optimizer": optimizer}))
-        if standby:
-            engine_training = 0 if shared and engine_plan.sampling is SamplingMode.FP8 else engine.weights
+        if standby:  # the KV cache is released, and with it what the sync rewrites whole (fp8, cast copies)
+            released = vllm_copy or (shared and engine_plan.sampling is SamplingMode.FP8)
+            engine_training = 0 if released else engine.weights
         elif _field(args, "vllm_enable_sleep_mode"):
             host_engine = engine.weights  # level-1 sleep: weights to host, KV cache dropped
         else:
             engine_training = engine.total
     training = _training_phase(args, spec, plan, completion=completion, prompt_tokens=prompt_tokens,
                                capacity_bytes=capacity_bytes,
-                               static_bytes=static + optimizer + engine_training + gathered,
+                               static_bytes=static + optimizer + gradients + engine_training + gathered,
                                quantized_4bit=quantized_4bit,
                                generation_bytes=phases[-1].device_bytes if standby and phases else None,
                                sharded_reserve=sharded_reserve)
-    phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine,
+    phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine + host_optimizer,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
+                         **({"gradients": gradients} if gradients else {}),
                          "vLLM resident": engine_training, **({"gathered layers": gathered} if gathered else {}),
-                         "activations": training.peak_bytes - static - optimizer - engine_training - gathered}))
+                         "activations": training.peak_bytes - static - optimizer - gradients - engine_training
+                         - gathered}))
     return RunForecast("stock" if stock else "turbo", capacity_bytes, host_capacity_bytes, completion,
-                       prompt_tokens, tuple(phases), training, error, plan)
+                       prompt_tokens, tuple(phases), training, error, plan, cast_copy=vllm_copy and not stock)
+
+
+def _mixed_precision(args: Any) -> bool:
+    """Whether the run trains under bf16 or fp16 mixed precision (accelerate then keeps fp32 FSDP2 masters); TRL's
+    unset `bf16` means bf16 unless fp16 is asked for."""
+    bf16 = _field(args, "bf16")
+    return bool(_field(args, "fp16")) or bf16 is None or bool(bf16)
 
 
 def fsdp2_layout(args: Any) -> tuple[int, int]:

@@ -307,6 +307,26 @@ def test_a_training_memory_budget_above_the_generation_peak_keeps_more_activatio
     assert generation < budgeted.training.peak_bytes <= 48 * 2**30
 
 
+def test_full_finetuning_on_one_gpu_trains_vllms_weights_and_its_16_bit_optimizer_states():
+    """No adapter, one GPU: the 16-bit parameters train and are vLLM's weights (no copy), their gradients and Adam's
+    two moments in 16 bits; offloaded, the moments move to the host."""
+    spec = model_spec(load_config("llama-3.1-8b"), None)
+    fields = dict(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8, steps_per_generation=1,
+                  max_completion_length=512, vllm_max_model_length=576, turbo_vllm_shared_weights=True,
+                  turbo_vllm_standby=True, bf16=True)
+    capacity = CAPACITY["NVIDIA H200"]
+    forecast = forecast_run(types.SimpleNamespace(**fields), spec, capacity_bytes=capacity, prompt_tokens=64)
+    training = forecast.phases[-1].parts
+    assert not forecast.cast_copy and forecast.phases[0].parts["vLLM weights"] == 0
+    assert training["weights"] == training["gradients"] == 2 * spec.parameters
+    assert training["optimizer"] == 4 * spec.parameters
+    offloaded = forecast_run(types.SimpleNamespace(**fields, turbo_offload_optimizer_states=True), spec,
+                             capacity_bytes=capacity, prompt_tokens=64)
+    assert offloaded.phases[-1].parts["optimizer"] == 0
+    assert offloaded.phases[-1].host_bytes >= 4 * spec.parameters
+    assert offloaded.peak_bytes < forecast.peak_bytes
+
+
 def test_cli_prints_the_phases_of_the_shipped_config(capsys):
     assert cli_main(["plan", "--config", str(EXAMPLE), "--model", "llama-3.1-8b", "--gpu-gib", "80",
                      "--host-gib", "64"]) == 0
@@ -410,3 +430,15 @@ def test_where_trl_turbos_checkpointing_is_off_the_forecast_trains_as_the_run_do
     monkeypatch.setattr("trl_turbo.versions.installed_version", lambda package: "5.23.0")
     layered = forecast_run(args, spec, capacity_bytes=80 * 2**30, prompt_tokens=64)
     assert layered.plan.memory.checkpointing and layered.training.plan is not None
+
+
+def test_cli_forecasts_full_finetuning_under_fsdp2_with_vllms_cast_copy(tmp_path, capsys):
+    config = tmp_path / "full.yaml"
+    config.write_text("model_name_or_path: llama-3.1-8b\nbf16: true\nper_device_train_batch_size: 16\n"
+                      "num_generations: 8\nmax_completion_length: 512\nuse_vllm: true\nvllm_mode: colocate\n"
+                      "turbo_vllm_shared_weights: true\nturbo_vllm_standby: true\n"
+                      "turbo_offload_optimizer_states: true\n")
+    assert cli_main(["plan", "--config", str(config), "--gpu-gib", "139.8", "--host-gib", "200", "--processes", "2",
+                     "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning" in out and "cast into from each rank's fp32 shards" in out

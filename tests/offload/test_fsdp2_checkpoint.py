@@ -100,12 +100,10 @@ SCRIPT = textwrap.dedent(
         reserve = planner.last_budget[2] - reserve_margin(1 << 40) if planner is not None else -1
         # DTensors count whole; the reserve counts them as a bf16 mixed-precision policy gathers them, in 16 bits
         whole = sum(p.numel() * min(p.element_size(), 2) for p in model.parameters())
-        # and room for the gradients the backward allocates: this rank's shards of the adapter's
+        # and room for the gradients the backward allocates: this rank's shards of the adapter's (the first layer's
+        # gathered while its forward is planned, their gradients landing on its shards)
         trainable = sum(p.to_local().numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        # the first layer's, gathered while its forward is planned, count whole (a DTensor's numel is whole)
-        first_layer = sum(p.numel() * p.element_size() - p.to_local().numel() * p.element_size()
-                          for name, p in model.named_parameters() if p.requires_grad and ".layers.0." in name)
-        return loss.item(), grads, gathers[0], moved, tiles[0], kept, reserve, whole, trainable + first_layer
+        return loss.item(), grads, gathers[0], moved, tiles[0], kept, reserve, whole, trainable
 
 
     variants = ("transformers", "turbo", "tiled", "planned-roomy", "planned-tight")

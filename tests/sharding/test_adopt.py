@@ -139,20 +139,28 @@ SCRIPT = textwrap.dedent(
 
     # accelerate's memory-efficient loading (TRL's fsdp2.yaml): rank 0's weights are broadcast and each shared shard
     # is written straight into the engine, never kept beside it (the other ranks start from empty weights)
-    model = build()
+    loaded = build()
     if rank != 0:
         with torch.no_grad():
-            for param in model.parameters():
+            for param in loaded.parameters():
                 param.zero_()
-    engine = Engine(facts, shapes)
-    model, share, state = prepare(model, engine, efficient=True)
-    storages = {t.untyped_storage().data_ptr() for t in engine.tensors.values()}
+    loading_engine = Engine(facts, shapes)
+    loaded, loaded_share, _ = prepare(loaded, loading_engine, efficient=True)
+    engine_storages = {t.untyped_storage().data_ptr() for t in loading_engine.tensors.values()}
     report["efficient"] = {
-        "shared": len(share.result.shared), "in_place": sorted(set(engine.in_place)),
-        "adopted": sum(fp._sharded_param_data.untyped_storage().data_ptr() in storages
-                       for fp in fsdp_params(model).values())}
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        "shared": len(loaded_share.result.shared), "in_place": sorted(set(loading_engine.in_place)),
+        "adopted": sum(fp._sharded_param_data.untyped_storage().data_ptr() in engine_storages
+                       for fp in fsdp_params(loaded).values())}
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(loaded(input_ids=probe).logits, reference(input_ids=probe).logits)
+    # loaded in place, a slice the engine's loader lays out otherwise is still refused on every rank: its shard's
+    # values were kept aside before the loader wrote over them
+    refusing = Engine(facts, shapes, corrupt="model.layers.1.mlp.up_proj.weight" if rank == 1 else None)
+    try:
+        prepare(build(), refusing, efficient=True)
+        report["efficient"]["refused"] = None
+    except LayoutMismatch as error:
+        report["efficient"]["refused"] = str(error)
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
@@ -328,6 +336,7 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
         efficient = report["efficient"]
         assert efficient["shared"] == efficient["adopted"] == 16
         assert len(efficient["in_place"]) == 16  # every shared shard was already the engine's when it loaded
+        assert efficient["refused"] is not None
         assert report["lora_moved"] and report["base_unchanged"]
         assert report["adopted_after_refusal"] == 0
         assert report["merge_gathers"] == report["fp8_gathers"] == 1
@@ -355,6 +364,8 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
         assert fp8["back_bitwise"] and fp8["base_after_training"] and fp8["follows_the_adapter"]
     assert "on another rank" in reports[0]["refused"]  # rank 0's slices matched, and it still refused
     assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["refused"]
+    assert "on another rank" in reports[0]["efficient"]["refused"]
+    assert "model.layers.1.mlp.up_proj.weight: the engine's slice differs" in reports[1]["efficient"]["refused"]
 
 
 def test_a_kept_shard_must_be_the_engine_ranks_slice():

@@ -297,11 +297,14 @@ class MemoryPlanner:
     step_plans: list[LayerPlan] = field(default_factory=list)
     warned: bool = False
     sharded_reserve: int | None = None  # `_sharded_reserve`, once the model is sharded
+    unborn_gradient_bytes: int = 0  # the most `_unborn_gradient_bytes` reserved since the last `observe_peak`
 
     def _budget(self, device: torch.device) -> tuple[int, int, int] | None:
         """(free bytes the layers may count on, bytes allocated, margin to keep), or None: no device to plan for.
         Under a ceiling: the smaller of the device's and the ceiling's budgets, each less its own margin."""
-        reserve = self.extra_reserve_bytes + self._sharded_reserve() + self._unborn_gradient_bytes()
+        unborn = self._unborn_gradient_bytes()
+        self.unborn_gradient_bytes = max(self.unborn_gradient_bytes, unborn)
+        reserve = self.extra_reserve_bytes + self._sharded_reserve() + unborn
         if self.budget is not None:
             free, allocated, total = self.budget(device)
             return free, allocated, reserve_margin(total, reserve)
@@ -316,11 +319,18 @@ class MemoryPlanner:
     def _unborn_gradient_bytes(self) -> int:
         """Bytes of the gradients this step's backward will allocate and no earlier one has: every trainable
         parameter (its local shard) without a gradient yet. Large with full fine-tuning (gradients are set to None
-        between steps), where they are allocated in the middle of the planned forward's backward. The layer whose
-        forward is being planned has its parameters gathered by FSDP2 at that moment: they count whole (one layer's
-        shard too many, on the safe side)."""
-        return sum(local_of(p).numel() * local_of(p).element_size() for p in self.parameters()
-                   if p.requires_grad and p.grad is None)
+        between steps), where they are allocated in the middle of the planned forward's backward. Under FSDP2 a
+        layer gathered for the running forward holds whole 16-bit tensors whose gradients land on its shards: each
+        counts as a shard of the sharded ones' size and dtype."""
+        parameters = [p for p in self.parameters() if p.requires_grad and p.grad is None]
+        sharded = [p for p in parameters if hasattr(p, "to_local")]
+        total = sum(local_of(p).numel() * local_of(p).element_size() for p in sharded)
+        gathered = [p for p in parameters if not hasattr(p, "to_local")]
+        if not sharded:
+            return total + sum(p.numel() * p.element_size() for p in gathered)
+        group = max(shard_group_size(p) for p in sharded) or 1
+        element_size = max(local_of(p).element_size() for p in sharded)
+        return total + sum(-(-p.numel() // group) * element_size for p in gathered)
 
     def _sharded_reserve(self) -> int:
         """`sharded_reserve_bytes` when FSDP2 shards the model over more than one rank (a DTensor parameter whose
@@ -413,14 +423,15 @@ class MemoryPlanner:
 
     def observe_peak(self, plans: list[LayerPlan], peak_bytes: int) -> str | None:
         """After a micro-step: compare the measured device peak with the largest prediction of its `plans` (plus the
-        sharded reserve, which gathered parameters may fill); on a miss, widen the reserve of later plans by the
-        excess. Returns a message the first time (None otherwise)."""
+        sharded reserve, which gathered parameters may fill, and the gradients reserved apart); on a miss, widen the
+        reserve of later plans by the excess. Returns a message the first time (None otherwise)."""
+        unborn, self.unborn_gradient_bytes = self.unborn_gradient_bytes, 0
         predicted = max((p.predicted_peak_bytes for p in plans if p.predicted_peak_bytes >= 0), default=-1)
         if predicted < 0 or not any(p.kept_layers for p in plans):
             return None
         # under FSDP2 the peak also holds the gathered layers and root parameters the sharded reserve keeps room
-        # for: not a miss of the activations' plan
-        excess = peak_bytes - predicted - (self.sharded_reserve or 0)
+        # for, and the step's backward allocated the gradients reserved apart: not a miss of the activations' plan
+        excess = peak_bytes - predicted - (self.sharded_reserve or 0) - unborn
         if excess <= 0:
             return None
         self.extra_reserve_bytes += excess

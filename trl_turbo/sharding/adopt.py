@@ -5,9 +5,10 @@ Design: the engine's own loader decides what each rank holds, never a re-impleme
 the engine's loader (`ShardEngine.load`), which narrows it to its rank's slice as it would a checkpoint's tensor;
 the engine then holds every weight, those that keep a copy of their own included, except those its sampler writes
 itself from the shards (`kept`: an fp8 copy), which are neither loaded nor shared. For each weight the plan shares,
-the engine's slice (`ShardEngine.slice_of`) must then equal this rank's FSDP2 shard bit for bit; only when that holds
-on every rank of the world (one all-reduce, so no rank adopts while another refuses) does FSDP2 take the engine's
-slice as the shard's storage: a DTensor over that view replaces the parameter and FSDP2's own
+the engine's slice (`ShardEngine.slice_of`) must then equal this rank's FSDP2 shard bit for bit (a shard loaded
+into the engine's memory already is copied aside before the loader writes over it, and compared with that copy);
+only when that holds on every rank of the world (one all-reduce, so no rank adopts while another refuses) does FSDP2
+take the engine's slice as the shard's storage: a DTensor over that view replaces the parameter and FSDP2's own
 `FSDPParam.reset_sharded_param()` re-reads it (what it does after `load_state_dict(assign=True)`), keeping the view
 when it already has the padded shard size. The freed shard goes back to the allocator. This reads FSDP2 internals
 (`_get_fsdp_state`, `FSDPParam`), checked with the torch versions trl_turbo supports, and refuses when they are
@@ -126,6 +127,17 @@ def kept_shard_problem(hf_name: str, param: Any, entry: Any, tp_rank: int) -> st
     return None
 
 
+def _engine_memory_of(local: torch.Tensor, entry: Any, engine: ShardEngine) -> bool:
+    """Whether the shard `local` of a weight the plan shares already lives at its engine slice."""
+    if entry is None or entry.kind != "shared" or not entry.layouts:
+        return False
+    try:
+        view = engine.slice_of(entry.layouts[engine.tp_rank])
+    except LayoutMismatch:
+        return False
+    return view.data_ptr() == local.data_ptr() and view.shape == local.shape
+
+
 def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
                  kept: Collection[str] = ()) -> ShardedSharing:
     """Load every base weight of the FSDP2-sharded `model` into `engine`, then make FSDP2's shards of the weights
@@ -155,8 +167,13 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
             else:
                 mismatches.append(problem)
             continue
-        engine.load([(hf_name, param.full_tensor())])  # collective: every rank gathers the same parameter in turn
         entry = planned.get(hf_name)
+        # a shard loaded straight into the engine (`ShardedShare.loading_in_place`) is the engine's memory already:
+        # the engine's loader then writes its own idea of the slice over it, checked against the shard's values kept
+        # aside, and put back where they differ
+        in_place = _engine_memory_of(local, entry, engine)
+        kept_aside = local.clone() if in_place else None
+        engine.load([(hf_name, param.full_tensor())])  # collective: every rank gathers the same parameter in turn
         if entry is None or entry.kind not in ("shared", "cast"):
             result.own_copies[hf_name] = entry.vllm_copy_bytes if entry is not None else 0
             if param.requires_grad:
@@ -165,7 +182,11 @@ def share_shards(model: nn.Module, plan: PlacementPlan, engine: ShardEngine,
         view = engine.slice_of(entry.layouts[engine.tp_rank])
         fsdp_param = by_param.get(id(param))
         cast = entry.kind == "cast"
-        if fsdp_param is None or view.shape != local.shape or (view.dtype != local.dtype and not cast):
+        if kept_aside is not None and not torch.equal(view, kept_aside):
+            mismatches.append(f"{hf_name}: the engine's slice differs from FSDP2's shard on tensor-parallel rank "
+                              f"{engine.tp_rank}")
+            view.copy_(kept_aside)
+        elif fsdp_param is None or view.shape != local.shape or (view.dtype != local.dtype and not cast):
             mismatches.append(f"{hf_name}: FSDP2's shard {tuple(local.shape)} {local.dtype}, engine slice "
                               f"{tuple(view.shape)} {view.dtype}" + ("" if fsdp_param else " (no FSDPParam)"))
         elif not torch.equal(view, local.to(view.dtype)):

@@ -143,10 +143,10 @@ class ShardedShare:
 
             def distribute_into_engine(tensor: torch.Tensor, *d_args: Any, **d_kwargs: Any) -> Any:
                 sharded = distribute_tensor(tensor, *d_args, **d_kwargs)
-                shape, view = next(targets, (None, None))
+                shape, placements, view = next(targets, (None, None, None))
                 local = sharded.to_local()
-                if (view is None or tuple(tensor.shape) != shape or local.shape != view.shape
-                        or local.dtype != view.dtype):
+                if (view is None or tuple(tensor.shape) != shape or tuple(sharded.placements) != placements
+                        or local.shape != view.shape or local.dtype != view.dtype):
                     return sharded
                 view.copy_(local)
                 return dtensor.DTensor.from_local(view, sharded.device_mesh, sharded.placements, run_check=False,
@@ -157,9 +157,11 @@ class ShardedShare:
 
         return load_into_engine
 
-    def _engine_slices(self, model: torch.nn.Module) -> list[tuple[tuple[int, ...], torch.Tensor | None]]:
-        """Per entry of `model.state_dict()`, in its order: the whole shape and the engine slice its shard goes into
-        (None: not a weight the plan shares)."""
+    def _engine_slices(self, model: torch.nn.Module) -> list[tuple[tuple[int, ...], tuple[Any, ...],
+                                                                   torch.Tensor | None]]:
+        """Per entry of `model.state_dict()`, in its order: the whole shape, FSDP2's placements and the engine slice
+        its shard goes into (None: not a weight the plan shares, one the engine holds in fp8, or one whose slice the
+        engine does not lay out so; `complete` checks every shard against the engine's loader either way)."""
         if self.placement is None:
             return []
         engine = self.engine()
@@ -167,9 +169,14 @@ class ShardedShare:
         slices = []
         for name, tensor in model.state_dict().items():
             entry = planned.get(hf_weight_name(name))
-            view = (engine.slice_of(entry.layouts[engine.tp_rank])
-                    if entry is not None and entry.kind == "shared" and entry.layouts else None)
-            slices.append((tuple(tensor.shape), view))
+            view = None
+            if (entry is not None and entry.kind == "shared" and entry.layouts
+                    and (self.fp8 is None or entry.vllm_name not in self.fp8)):
+                try:
+                    view = engine.slice_of(entry.layouts[engine.tp_rank])
+                except LayoutMismatch:
+                    view = None
+            slices.append((tuple(tensor.shape), tuple(getattr(tensor, "placements", ())), view))
         return slices
 
     def complete(self, model: torch.nn.Module) -> ShardedSharing:

@@ -229,7 +229,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     # Adam's two moments in the trained parameters' dtype (fp32 for adapters and masters); on the host when offloaded
     optimizer = (OPTIMIZER_BYTES_PER_PARAM if not full else 2 * master_bytes) * trainable
     host_optimizer = 0
-    if plan is not None and plan.memory.optimizer_states_offload:
+    if full and plan is not None and plan.memory.optimizer_states_offload:
+        # every weight's states are far over `MIN_STATE_BYTES` (an adapter's stay on the device: too small to move)
         optimizer, host_optimizer = 0, optimizer
     gradients = master_bytes * trainable if full else 0  # an adapter's are part of the training forecast
     static = weights + adapter

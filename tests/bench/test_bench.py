@@ -483,3 +483,29 @@ def test_a_steps_peak_includes_what_came_before_it_since_start_up(monkeypatch):
     assert [step["peak_gib"] for step in steps] == [70, 52]
     assert [step["before_peak_gib"] for step in steps] == [70, 1]
     assert e2e.summarize(steps, warmup=1)["peak_gib"] == 70  # the warm-up step's, preparation included
+
+
+def test_e2e_runs_a_launch_at_several_gpu_counts_each_with_its_tensor_parallel_size():
+    """`--processes 2,4 --vllm-tp all`: one command scales 1 -> 2 -> 4 GPUs, each launch's engine over its GPUs,
+    each count's throughput against the 1gpu launch's."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--shape", "tiny", "--launches", "1gpu,fsdp2", "--processes", "2,4",
+                              "--vllm-tp", "all"])
+    assert args.processes == [2, 4] and [e2e.tp_size(args.vllm_tp, n) for n in (1, 2, 4)] == [1, 2, 4]
+    assert e2e.tp_size(2, 4) == 2
+    with pytest.raises(SystemExit, match="must divide --processes 2"):
+        e2e.run(parser.parse_args(["e2e", "--shape", "tiny", "--launches", "fsdp2", "--processes", "2,4",
+                                   "--vllm-tp", "4"]))
+    with pytest.raises(SystemExit):  # neither a size nor "all"
+        parser.parse_args(["e2e", "--shape", "tiny", "--vllm-tp", "0"])
+
+    one = {**_e2e_row("turbo", 20.0, 29.0), "launch": e2e.SINGLE_GPU, "processes": 1}
+    two = {**_e2e_row("turbo", 22.0, 30.0), "launch": "fsdp2", "processes": 2}
+    four = {**_e2e_row("turbo", 25.0, 31.0), "launch": "fsdp2", "processes": 4}
+    scaling = e2e.scaling([one, two, four], completion_len=4096)
+    assert scaling["fsdp2x2/turbo"]["throughput_vs_1gpu"] == pytest.approx(2 * 20.0 / 22.0)
+    assert scaling["fsdp2x4/turbo"]["scaling_efficiency"] == pytest.approx(20.0 / 25.0)
+    assert "fsdp2/turbo" not in scaling and "1gpu/turbo" in scaling

@@ -223,22 +223,25 @@ def test_per_gpu_forecast_matches_the_current_fsdp2_tensor_parallel_rows(monkeyp
     checked = 0
     for result in _results("e2e"):
         config = result["config"]
-        if result["date"] < FSDP2_TP_CURRENT_FROM or config.get("vllm_tp", 1) < 2:
+        if result["date"] < FSDP2_TP_CURRENT_FROM or "fsdp2" not in config["processes_per_launch"]:
             continue
         _budget_rule_of(result, monkeypatch)
         spec = _spec(config)
         sequences = config["prompts"] * config["generations"]
-        processes = config["processes_per_launch"]["fsdp2"]
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
         for row in result["rows"]:
-            if not row["ok"]:
+            # rows record their own tensor-parallel size and GPU count (a command may run several); older files
+            # keep them in the config
+            tp = row.get("vllm_tp", config.get("vllm_tp", 1))
+            if not row["ok"] or row["launch"] != "fsdp2" or tp < 2:
                 continue
+            processes = row["processes"]
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
             fields = {**config["common_config"], **config["variant_config"][row["variant"]]}
             args = types.SimpleNamespace(use_vllm=True, per_device_train_batch_size=config["micro_batch"],
                                          steps_per_generation=sequences // config["micro_batch"],
                                          max_completion_length=config["completion_len"], world_size=processes,
                                          fsdp="full_shard", fsdp_config={"version": 2},
-                                         vllm_tensor_parallel_size=config["vllm_tp"], **fields)
+                                         vllm_tensor_parallel_size=tp, **fields)
             capped = config.get("gpu_gib")  # each rank capped, standing in for a smaller GPU
             capacity = int(capped * 2**30) if capped else CAPACITY[result["gpu"]]
             forecast = forecast_run(args, spec, capacity_bytes=capacity, prompt_tokens=config["prompt_len"],
@@ -257,8 +260,8 @@ def test_per_gpu_forecast_matches_the_current_fsdp2_tensor_parallel_rows(monkeyp
             else:
                 assert miss <= TOLERANCE, (result["stem"], row["variant"], miss)
             if row["variant"] != "stock":
-                assert forecast.plan.engine.sharded and forecast.plan.engine.tp_size == config["vllm_tp"]
-                slice_bytes = spec.weight_bytes(False) // config["vllm_tp"]
+                assert forecast.plan.engine.sharded and forecast.plan.engine.tp_size == tp
+                slice_bytes = spec.weight_bytes(False) // tp
                 if config["lora"] is not None:
                     assert forecast.phases[-1].parts["weights"] == slice_bytes
                 else:  # fp32 masters and their gradients; vLLM's own 16-bit slice, released while training

@@ -290,7 +290,8 @@ def new_row(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
             "launch": spec["launch"], "generations": spec["generations"], "prompts": spec["prompts"],
             "micro_batch": spec["micro_batch"], "prompt_len": spec["prompt_len"],
             "completion_len": spec["completion_len"], "ok": False, "error": None,
-            "rank": int(os.environ.get("RANK", 0)), "processes": int(os.environ.get("WORLD_SIZE", 1))}
+            "rank": int(os.environ.get("RANK", 0)), "processes": int(os.environ.get("WORLD_SIZE", 1)),
+            "vllm_tp": spec.get("vllm_tp", 1)}
 
 
 def others_before(spec: dict[str, Any], device: Any) -> int:
@@ -584,10 +585,14 @@ def run(args: argparse.Namespace) -> Path:
         if clash and variant != "stock":
             raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
     launches = [launch.strip() for launch in args.launches.split(",") if launch.strip()]
-    if args.vllm_tp > 1 and (SINGLE_GPU in launches or args.processes % args.vllm_tp):
-        raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {args.processes}, without a 1gpu launch")
+    counts = [1] if launches == [SINGLE_GPU] else args.processes
+    for count in counts:
+        tp = tp_size(args.vllm_tp, count)
+        if count % tp:
+            raise SystemExit(f"--vllm-tp {args.vllm_tp} must divide --processes {count}")
     refused = peers.refusals(variants, launches, single_gpu=SINGLE_GPU, gpu_gib=args.gpu_gib,
-                             full_finetuning=args.full_finetuning, vllm_tp=args.vllm_tp, site=args.unsloth_site,
+                             full_finetuning=args.full_finetuning,
+                             vllm_tp=max(tp_size(args.vllm_tp, count) for count in counts), site=args.unsloth_site,
                              quantization=args.quantization)
     if refused:
         raise SystemExit("; ".join(refused))
@@ -608,7 +613,7 @@ def run(args: argparse.Namespace) -> Path:
     if args.gpu_gib is not None and args.gpu_gib * GIB > torch.cuda.mem_get_info(device)[1]:
         raise SystemExit(f"--gpu-gib {args.gpu_gib:g} is more than the GPU has")
     for launch in launches:
-        launch_command(launch, args.processes)  # an unknown launch fails before anything runs
+        launch_command(launch, max(args.processes))  # an unknown launch fails before anything runs
     if args.quantization not in QUANTIZATIONS:
         raise SystemExit(f"unknown quantization {args.quantization!r}; choose from {sorted(QUANTIZATIONS)}")
     workload = resolve_workload(args)
@@ -621,41 +626,46 @@ def run(args: argparse.Namespace) -> Path:
     free, total = torch.cuda.mem_get_info(device)  # this driver's CUDA context and any other process: not a child's
     print(f"checkpoint {checkpoint} ready in {time.perf_counter() - start:.1f} s", flush=True)
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "preset": args.preset, **workload,
-              "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib, "vllm_tp": args.vllm_tp,
+              "prompt_len": args.prompt_len, "steps": args.steps, "gpu_gib": args.gpu_gib,
+              "vllm_tp": args.vllm_tp if args.vllm_tp == TP_PER_PROCESS or len(args.processes) > 1
+              else tp_size(args.vllm_tp, args.processes[0]),
               "warmup": args.warmup, "variants": variants, "seed": args.seed,
               "lora": None if args.full_finetuning else LORA,
               "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
               "side_by_side": args.side_by_side, "launches": launches, "profile_decode": args.profile_decode,
               "profile_context": args.profile_context,
-              "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else args.processes for launch in launches},
+              "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else
+                                       args.processes[0] if len(args.processes) == 1 else args.processes
+                                       for launch in launches},
               "variant_config": {v: variant_config(v, overrides) for v in variants},
               "common_config": {"vllm_mode": "colocate", "beta": 0.0, "gradient_checkpointing": True,
                                 "generation_kwargs": {"ignore_eos": True},
                                 "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
     meta = {**metadata("e2e", device, config), "hardware": hardware}
-    several = ("" if launches == [SINGLE_GPU] else f"-{args.processes}gpu") + (
-        f"-tp{args.vllm_tp}" if args.vllm_tp > 1 else "")
+    several = ("" if launches == [SINGLE_GPU] else f"-{'-'.join(map(str, args.processes))}gpu") + (
+        "" if launches == [SINGLE_GPU] or args.vllm_tp in ("1", 1) else f"-tp{args.vllm_tp}")
     preset = ("" if args.preset == "anchor" else f"-{args.preset}") + ("-full" if args.full_finetuning else "")
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
     stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"
-    jobs = [(launch, variant) for launch in launches for variant in variants]
-    placements = (side_by_side_devices([config["processes_per_launch"][launch] for launch, _ in jobs],
-                                       visible_devices(torch.cuda.device_count()))
+    jobs = [(launch, count, variant) for launch in launches
+            for count in ([1] if launch == SINGLE_GPU else args.processes) for variant in variants]
+    placements = (side_by_side_devices([count for _, count, _ in jobs], visible_devices(torch.cuda.device_count()))
                   if args.side_by_side else [None] * len(jobs))
     rows: list[dict[str, Any] | None] = [None] * len(jobs)
     written = threading.Lock()
 
     def run_job(index: int, output_dir: str) -> None:
-        launch, variant = jobs[index]
-        spec = {"variant": variant, "launch": launch, "processes": config["processes_per_launch"][launch],
+        launch, count, variant = jobs[index]
+        spec = {"variant": variant, "launch": launch, "processes": count,
                 "checkpoint": str(checkpoint), "output_dir": str(Path(output_dir) / f"job{index}"),
                 "device_used_before": total - free,
-                "unsloth_site": args.unsloth_site, **config}
+                "unsloth_site": args.unsloth_site, **config,
+                "vllm_tp": 1 if launch == SINGLE_GPU else tp_size(args.vllm_tp, count)}  # this job's engine
         try:
             row = run_child(spec, args.variant_timeout, placements[index])
         except Exception as exc:  # the other variants, running beside it, go on
-            row = {"variant": variant, "launch": launch, "ok": False, "error": repr(exc)}
+            row = {"variant": variant, "launch": launch, "processes": count, "ok": False, "error": repr(exc)}
         row["roofline"] = row_roofline(row, config, hardware)
         if placements[index] is not None:
             row["devices"] = placements[index]
@@ -704,8 +714,9 @@ def resolve_workload(args: argparse.Namespace) -> dict[str, int]:
 
 
 def scaling(rows: list[dict[str, Any]], completion_len: int) -> dict[str, Any]:
-    """Per launch and variant: completion tokens per second over all GPUs, and against the same variant on one GPU
-    (its throughput ratio and the ratio divided by the GPU count, the scaling efficiency)."""
+    """Per launch (and GPU count, where a launch ran at several) and variant: completion tokens per second over all
+    GPUs, and against the same variant on one GPU (its throughput ratio and the ratio divided by the GPU count, the
+    scaling efficiency)."""
     out: dict[str, Any] = {}
     single = {row["variant"]: row for row in rows if row.get("launch") == SINGLE_GPU and row.get("ok")}
     for row in rows:
@@ -719,7 +730,9 @@ def scaling(rows: list[dict[str, Any]], completion_len: int) -> dict[str, Any]:
         if base is not None and base is not row and base.get("step_s"):
             ratio = entry["completion_tokens_per_s"] / (per_step * completion_len / base["step_s"])
             entry.update({"throughput_vs_1gpu": ratio, "scaling_efficiency": ratio / processes})
-        out[f"{row['launch']}/{row['variant']}"] = entry
+        several = len({r.get("processes", 1) for r in rows if r.get("launch") == row["launch"]}) > 1
+        launch = f"{row['launch']}x{processes}" if several else row["launch"]
+        out[f"{launch}/{row['variant']}"] = entry
     return out
 
 
@@ -813,8 +826,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="nf4: QLoRA (bitsandbytes 4-bit NF4, double quantization, bf16 compute)")
     parser.add_argument("--launches", default=SINGLE_GPU,
                         help=f"comma-separated: {SINGLE_GPU} and/or TRL accelerate configs (multi_gpu, zero2, …)")
-    parser.add_argument("--processes", type=int, default=2, help="GPUs of each launch other than 1gpu")
-    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size (every variant)")
+    parser.add_argument("--processes", type=_batch_sizes, default=[2], metavar="N,N",
+                        help="GPUs of each launch other than 1gpu; several (2,4) run each launch at each count, the "
+                             "throughput against the 1gpu launch's in the file's `scaling`")
+    parser.add_argument("--vllm-tp", type=_tp_option, default=1, metavar=f"T|{TP_PER_PROCESS}",
+                        help=f"vLLM's tensor-parallel size under a launch (every variant; a 1gpu job's is 1); "
+                             f"{TP_PER_PROCESS!r}: each launch's process count, one engine over all its GPUs"),
     parser.add_argument("--full-finetuning", action="store_true", help="train every weight (no LoRA adapter)")
     parser.add_argument("--gpu-gib", type=float, default=None,
                         help="cap each variant's process (each rank, under a launch) at this much device memory "
@@ -835,6 +852,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)
+
+
+TP_PER_PROCESS = "all"  # `--vllm-tp all`: each launch's tensor-parallel size is its process count
+
+
+def _tp_option(text: str) -> int | str:
+    if text == TP_PER_PROCESS:
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--vllm-tp takes a positive integer or {TP_PER_PROCESS!r}, got {text!r}")
+    return int(text)
+
+
+def tp_size(option: int | str, processes: int) -> int:
+    """vLLM's tensor-parallel size for a launch of `processes` GPUs under the `--vllm-tp` option."""
+    return processes if option == TP_PER_PROCESS else int(option)
 
 
 def _batch_sizes(text: str) -> list[int]:

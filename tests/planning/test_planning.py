@@ -445,3 +445,21 @@ def test_cli_forecasts_full_finetuning_under_fsdp2_with_vllms_cast_copy(tmp_path
                      "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "full fine-tuning" in out and "cast into from each rank's fp32 shards" in out
+
+
+def test_full_finetuning_without_shared_weights_keeps_vllms_copy_and_4_bit_full_finetuning_is_refused(monkeypatch):
+    """Standby alone releases only the KV cache: vLLM's own weights stay through training. The trainer refuses to
+    train a purely 4-bit model, and so does the forecast."""
+    from trl_turbo.planning.run import run_plan_of
+
+    spec = model_spec(load_config("llama-3.1-8b"), None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    fields = dict(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8, steps_per_generation=1,
+                  max_completion_length=512, vllm_max_model_length=576, turbo_vllm_standby=True, bf16=True,
+                  world_size=2, fsdp="full_shard", fsdp_config={"version": 2}, vllm_tensor_parallel_size=2)
+    forecast = forecast_run(types.SimpleNamespace(**fields), spec, capacity_bytes=CAPACITY["NVIDIA H200"],
+                            prompt_tokens=64)
+    assert not forecast.cast_copy
+    assert forecast.phases[-1].parts["vLLM resident"] == spec.weight_bytes(False) // 2
+    with pytest.raises(ValueError, match="purely quantized"):
+        run_plan_of(types.SimpleNamespace(**fields), spec, quantized_4bit=True)

@@ -666,7 +666,8 @@ def run(args: argparse.Namespace) -> Path:
             row = run_child(spec, args.variant_timeout, placements[index])
         except Exception as exc:  # the other variants, running beside it, go on
             row = {"variant": variant, "launch": launch, "processes": count, "ok": False, "error": repr(exc)}
-        row["roofline"] = row_roofline(row, config, hardware)
+        row.setdefault("processes", count)  # a failed job's row too, so `scaling` keys it as the others
+        row["roofline"] = row_roofline(row, {**config, "vllm_tp": spec["vllm_tp"]}, hardware)
         if placements[index] is not None:
             row["devices"] = placements[index]
         with written:

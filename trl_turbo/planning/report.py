@@ -75,7 +75,7 @@ def _decisions(plan: Any, processes: int = 1, cast_copy: bool = False) -> list[s
         tp = engine.tp_size if engine is not None else 1
         lines.append(f"per GPU: FSDP2 over {processes} processes, vLLM tensor-parallel size {tp}"
                      + ("; each rank's FSDP2 shards are its vLLM slices (one copy)"
-                        if engine is not None and engine.sharded else ""))
+                        if engine is not None and engine.sharded and not cast_copy else ""))
     if engine is not None and engine.full_finetuning:
         held = ("a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)" if cast_copy
                 else "the trained parameters themselves (no sync)")

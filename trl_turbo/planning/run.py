@@ -110,6 +110,9 @@ def run_plan_of(args: Any, spec: ModelSpec, *, quantized_4bit: bool = False, nes
                 host_capacity_bytes: int | None = None) -> RunPlan:
     """The run plan of `args` (a GRPOConfig's fields) for the model `spec` counts, as a trainer on a CUDA device
     would resolve it; refused as the trainer would refuse it."""
+    if quantized_4bit and not spec.lora_parameters:
+        raise ValueError("full fine-tuning of 4-bit weights: transformers' Trainer refuses to train a purely "
+                         "quantized model; add a LoRA adapter (`use_peft: true`) or load the model in 16 bits.")
     facts = spec_engine_facts(spec, quantized_4bit=quantized_4bit, nested_4bit=nested_4bit,
                               host_capacity_bytes=host_capacity_bytes,
                               processes_on_host=getattr(args, "world_size", 1))  # the forecast is of one node
@@ -163,6 +166,9 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     utilization = _field(args, "vllm_gpu_memory_utilization")
     standby = engine_plan is not None and engine_plan.standby
     budgeted = engine_plan is not None and (engine_plan.shares_weights or standby)  # trl_turbo sizes the KV cache
+    # full fine-tuning with shared weights: vLLM starts on a 16-bit copy of its own, which its budget leaves room for
+    start_copy = (spec.weight_bytes(quantized_4bit, nested_4bit=False) // tp_size
+                  if shared and engine_plan.full_finetuning else 0)
     sized_by_trl = not (budgeted and utilization == _trl_default("vllm_gpu_memory_utilization"))
     if sized_by_trl:
         kv_cache = max(0, int(utilization * capacity_bytes) - weights - workspace)
@@ -179,7 +185,7 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     try:
         kv_cache = auto_kv_cache_bytes(
             free_bytes=capacity_bytes - CONTEXT_BYTES - static_bytes, total_bytes=capacity_bytes,
-            vllm_weight_bytes=weights, trainable_params=trainable, sampling_workspace_bytes=step_workspace,
+            vllm_weight_bytes=weights + start_copy, trainable_params=trainable, sampling_workspace_bytes=step_workspace,
             useful_bytes=useful, states_on_host=Settings.of(args).offload_optimizer_states)
     except ValueError as exc:
         return _EngineMemory(weights, 0, workspace, str(exc))
@@ -211,7 +217,8 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     # where accelerate keeps fp32 masters: vLLM then holds a 16-bit copy of its own, cast into at each sync
     full = not spec.lora_parameters
     master_bytes = 4 if full and detect_strategy(args) is Strategy.FSDP2 and _mixed_precision(args) else 2
-    vllm_copy = full and master_bytes == 4
+    vllm_copy = (full and master_bytes == 4 and engine_plan is not None and engine_plan.full_finetuning
+                 and engine_plan.shares_weights)
     if full:
         weights = master_bytes * spec.parameters
     # FSDP2 over `processes` GPUs: each holds 1/shards of the weights and the training state, its shard group being

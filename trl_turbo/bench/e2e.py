@@ -644,7 +644,7 @@ def run(args: argparse.Namespace) -> Path:
                                 "vllm_max_model_length": args.prompt_len + workload["completion_len"]}}
     meta = {**metadata("e2e", device, config), "hardware": hardware}
     several = ("" if launches == [SINGLE_GPU] else f"-{'-'.join(map(str, args.processes))}gpu") + (
-        "" if launches == [SINGLE_GPU] or args.vllm_tp in ("1", 1) else f"-tp{args.vllm_tp}")
+        "" if launches == [SINGLE_GPU] or args.vllm_tp == 1 else f"-tp{args.vllm_tp}")
     preset = ("" if args.preset == "anchor" else f"-{args.preset}") + ("-full" if args.full_finetuning else "")
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
     stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -308,6 +308,14 @@ def test_e2e_gpu_cap_counts_the_drivers_context_on_gpu0_only_and_shows_in_rows_a
     assert e2e.write_results(meta, [capped], tmp_path, "e2e-cap").with_suffix(".png").exists()
 
 
+def test_e2e_cap_gives_stocks_engine_its_share_of_the_capped_device_and_leaves_turbos_sizing_alone():
+    h200, h100 = 140 * 2**30, 80 * 2**30
+    assert e2e.capped_engine_share("stock", 0.3, h100, h200) == pytest.approx(0.3 * 80 / 140)  # 24 GiB, as on an H100
+    assert e2e.capped_engine_share("stock", 0.3, h200, h200) == pytest.approx(0.3)  # a cap at the device: unchanged
+    for variant in ("turbo", "turbo-fp8"):  # a changed share would switch off the automatic KV budget
+        assert e2e.capped_engine_share(variant, 0.3, h100, h200) == 0.3
+
+
 def test_e2e_child_failure_becomes_a_row(tmp_path):
     # On this machine the child cannot start vLLM (no GPU or no vLLM): the driver records why instead of raising
     spec = {"variant": "stock", "shape": "tiny", "checkpoint": str(tmp_path / "missing"), "output_dir": str(tmp_path),

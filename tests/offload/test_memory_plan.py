@@ -368,6 +368,26 @@ def test_a_planner_that_measured_nothing_prices_groups_from_its_prior(monkeypatc
     assert planner.group_tokens(sequences, length, None) == sequences * length  # room: one forward keeps it all
 
 
+def test_the_runs_first_micro_batch_is_priced_before_any_forward_from_the_models_hidden_size(monkeypatch):
+    """No forward has run when the run's first micro-batch is split (the old log-probs are computed without
+    gradients, unplanned): its groups are priced from the budget on its device and the prior on the layer input the
+    model's config gives, the same input the first forward then sees."""
+    from trl_turbo.offload import memory_plan
+
+    monkeypatch.setattr(memory_plan, "MIN_PLANNED_GROUP_TOKENS", 1)
+    batch = token_batch()
+    sequences, length = batch.shape
+    device = torch.device("cpu")
+    for free, rows in ((0, 1), (1 << 40, sequences)):  # nothing fits: one sequence a group; room: one forward
+        model, planner = _planned(free)
+        assert planner.hidden_size == model.config.hidden_size and planner.last_budget is None
+        assert planner.group_tokens(sequences, length, None) is None  # no device: nothing to read a budget from
+        assert planner.group_tokens(sequences, length, None, device) == rows * length
+        priced = planner.input_bytes_per_token, planner.head_bytes_per_token
+        _grads(model, batch)
+        assert priced == (planner.input_bytes_per_token, planner.head_bytes_per_token)  # what the forward saw
+
+
 def test_the_planner_reserves_the_gradients_a_step_has_not_allocated_yet():
     """Full fine-tuning sets every gradient to None between steps and its backward allocates them mid-plan: the
     budget keeps their bytes free until they exist."""
@@ -388,7 +408,8 @@ def test_sequence_groups_follow_the_planned_group_size():
     asked = []
     planner = SimpleNamespace(group_tokens=lambda *args: asked.append(args) or 9000)
     trainer = SimpleNamespace(model=SimpleNamespace(_trl_turbo_checkpointing=SimpleNamespace(planner=planner)))
-    assert planned_group_tokens(trainer, 16, 2100, 32768) == 9000 and asked == [(16, 2100, 32768)]
+    device = torch.device("cpu")
+    assert planned_group_tokens(trainer, 16, 2100, 32768, device) == 9000 and asked == [(16, 2100, 32768, device)]
     assert planned_group_tokens(SimpleNamespace(model=SimpleNamespace(_trl_turbo_checkpointing=None)), 16, 100,
                                 32768) is None
 

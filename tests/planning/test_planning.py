@@ -160,6 +160,11 @@ KNOWN_MISSES = dict.fromkeys([("e2e-qwen2.5-32b-realistic-2gpu-tp2-20261127-2257
 # (`ShardedShare.loading_in_place`), not yet measured.
 KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-160231", "turbo")] = 0.45
 KNOWN_MISSES[("e2e-llama-3.1-8b-4gpu-tp4-20261128-155807", "turbo")] = 0.55
+# The 70B row again with in-place loading: no start-up peak, but its first micro-batch still ran as one forward (no
+# forward had been planned when it was split; now priced from the model's hidden size), and the caching allocator
+# kept those blocks for the second step, whose groups of two held 44.9 GiB of torch's: 53.5 GiB against 41.3
+# forecast. Its four-prompt row, whose peak is generation, is within TOLERANCE.
+KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-200224", "turbo")] = 0.25
 # Full fine-tuning under FSDP2 + TP=2 (8B shape, 16 x 576 tokens, bf16: fp32 masters): stock's rows are within
 # TOLERANCE (their peak is generation); turbo's peak is its training phase, forecast from fp32 weights, gradients
 # and Adam's states (on the host with `turbo_offload_optimizer_states`) with vLLM's cast copy released. In the

@@ -33,7 +33,7 @@ def sequence_groups(trainer: Any, inputs: dict[str, Any]) -> list[slice] | None:
         return None
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     sequences, length = prompt_ids.size(0), prompt_ids.size(1) + completion_ids.size(1)
-    budget = planned_group_tokens(trainer, sequences, length, budget) or budget
+    budget = planned_group_tokens(trainer, sequences, length, budget, prompt_ids.device) or budget
     count = group_count(sequences, length, budget)
     if not rows_are_sequences(inputs, sequences):
         count = 0  # this micro-batch cannot be split (its rank still takes part in the agreement below)
@@ -57,13 +57,14 @@ def group_count(sequences: int, length: int, budget: int) -> int:
     return min(sequences, -(-sequences // max(1, budget // length)))
 
 
-def planned_group_tokens(trainer: Any, sequences: int, length: int, budget: int) -> int | None:
+def planned_group_tokens(trainer: Any, sequences: int, length: int, budget: int,
+                         device: torch.device | None = None) -> int | None:
     """With `turbo_memory_plan='auto'`: the group size in tokens the memory plan finds fastest for a micro-batch of
-    `sequences` x `length` tokens within `budget` tokens a forward (`MemoryPlanner.group_tokens`); None before its
-    first measurement, or without a plan."""
+    `sequences` x `length` tokens on `device` within `budget` tokens a forward (`MemoryPlanner.group_tokens`); None
+    without a plan or anything to price it from."""
     runtime = runtime_of(trainer.model)
     planner = runtime.planner if runtime is not None else None
-    return planner.group_tokens(sequences, length, budget) if planner is not None else None
+    return planner.group_tokens(sequences, length, budget, device) if planner is not None else None
 
 
 def agreed_group_count(accelerator: Any, count: int, device: torch.device) -> int:

@@ -86,8 +86,13 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
     layers = _decoder_layers(model)
     # the tiled MLP runs a post-MLP-norm layer's recompute untiled under "auto" (`offload.tiled_mlp`)
     untiled = any(hasattr(layer, "post_feedforward_layernorm") for layer in layers)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
     return MemoryPlanner(layer_count=len(layers), parameters=parameters, can_offload=can_offload,
-                         untiled_recompute=untiled)
+                         untiled_recompute=untiled, hidden_size=getattr(text_config, "hidden_size", 0) or 0,
+                         hidden_element_size=weight.element_size() if weight is not None else 2)
 
 
 RUNTIME_ATTRIBUTE = "_trl_turbo_checkpointing"

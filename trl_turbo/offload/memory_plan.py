@@ -291,6 +291,8 @@ class MemoryPlanner:
     bytes_per_token: float | None = None  # of one kept layer, as last measured
     plain_bytes_per_token: float | None = None  # what plain autograd would store for it (a layer's working set)
     input_bytes_per_token: int = 0  # of a layer input, as last seen
+    hidden_size: int = 0  # the model's, with its layer inputs' element size: priced before any forward saw one
+    hidden_element_size: int = 2
     head_bytes_per_token: int = 0  # of what follows the layers (`HEAD_HIDDEN_STATES`)
     last_budget: tuple[int, int, int] | None = None  # (free, allocated, margin) read before the last forward
     current: LayerPlan | None = None
@@ -405,11 +407,19 @@ class MemoryPlanner:
                            self.input_bytes_per_token, self.head_bytes_per_token, free, allocated, margin,
                            self.can_offload)
 
-    def group_tokens(self, sequences: int, length: int, max_tokens: int | None) -> int | None:
+    def group_tokens(self, sequences: int, length: int, max_tokens: int | None,
+                     device: torch.device | None = None) -> int | None:
         """Tokens per sequence group for a micro-batch of `sequences` x `length` tokens, forwards of at most
-        `max_tokens` (`fastest_group_rows`); None before any forward was planned against a device budget. A forward
-        too large to measure its first layer is priced from the prior, so a run whose first forward ran frugally
-        still finds the split that fits its budget."""
+        `max_tokens` (`fastest_group_rows`); None where there is nothing to price it from. A forward too large to
+        measure its first layer is priced from the prior, so a run whose first forward ran frugally still finds the
+        split that fits its budget; so is the run's first micro-batch, from the budget on `device` now and the layer
+        input the model's config gives (a 70B model's first micro-batch of 16k tokens would otherwise run whole and
+        set the run's peak, 9 GiB over its later steps' on 4 x H200)."""
+        if not self.input_bytes_per_token and self.hidden_size:
+            self.input_bytes_per_token = self.hidden_size * self.hidden_element_size
+            self.head_bytes_per_token = HEAD_HIDDEN_STATES * self.hidden_size * 4  # as `run_first_layer` counts it
+        if self.last_budget is None and device is not None:
+            self.last_budget = self._budget(device)
         if self.last_budget is None or not self.input_bytes_per_token:
             return None
         return length * fastest_group_rows(sequences, length, max_tokens, self.layer_count, self.plan_for)

@@ -68,10 +68,14 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
         _train(model, optimizer, scheduler, 4)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
     assert len(calls) >= 4 * 3  # each step in several chunks
-    # at each chunk's call at most one chunk of states is on the device: up to 600 bytes and the parameter that
-    # passes them (the 16 x 16 weight's two moments, 2 KiB), never all 3872 bytes of them
+    # at each chunk's call its own states and the next chunk's (already on its way) are on the device, no others:
+    # never all 3872 bytes of them
     total = 2 * 4 * sum(p.numel() for p in model.parameters())
-    assert total == 3872 and max(calls) <= 600 + 2 * 4 * 256 < total
+    chunks = [2 * 4 * sum(p.numel() for params in chunk for p in params)
+              for chunk in offload._chunks([group["params"] for group in optimizer.param_groups])]
+    assert len(chunks) >= 3 and sum(chunks) == total == 3872
+    expected = [here + following for here, following in zip(chunks, [*chunks[1:], 0])]
+    assert calls[-len(chunks):] == expected and max(expected) < total
     states = _moving_states(optimizer)
     assert len(states) == 12 and all(s.untyped_storage().nbytes() == 0 for s in states)  # all on the host
     # in whole 64-byte host chunks (the 4-element bias's moments take one each)
@@ -245,3 +249,34 @@ def test_fsdp2_shards_states_go_to_the_host_and_step_the_same(tmp_path):
 
     for report in per_rank_reports(FSDP2_SCRIPT, tmp_path):
         assert report == {"equal": True, "empty": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("adam", [{}, {"fused": True}], ids=["default", "fused"])
+def test_overlapped_copies_on_side_streams_step_to_the_same_parameters_bit_for_bit(adam):
+    """On CUDA the copies run on two side streams beside the update (pinned host chunks): after several steps the
+    parameters and states equal a never-offloaded optimizer's, every moving state is off the device, and the step
+    time counts until the last copy."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    model = copy.deepcopy(reference)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, **adam)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **adam)
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=3 << 20, pin=True, min_state_bytes=1 << 20)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(64, 1024, device="cuda", generator=generator)
+        for net, opt in ((reference, reference_optimizer), (model, optimizer)):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+        assert offload.take_metrics()["offload/optimizer_step_s"] > 0
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    assert all(optimizer.state[p][name].untyped_storage().nbytes() == 0 for p in weights for name in ("exp_avg",
+                                                                                                     "exp_avg_sq"))
+    saved, expected = optimizer.state_dict(), reference_optimizer.state_dict()  # waits for the last sends
+    for key, state in expected["state"].items():
+        assert all(torch.equal(saved["state"][key][name], value) for name, value in state.items())

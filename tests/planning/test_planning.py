@@ -137,18 +137,16 @@ def test_per_gpu_training_forecast_matches_the_launched_bench_train_rows(monkeyp
 # takes the token budget's groups. Why the earlier row's later steps kept large groups is not yet known.
 # Stock's 8B FSDP2 + TP=2 row under transformers 5.24 (…-071822) shows the same: rank 0 peaks at 58.3 GiB, 4.6 GiB
 # over rank 1 (53.6 GiB, 6.5% over the 50.3 GiB forecast), and again in the same command run later (…-124126).
-# Under FSDP2 (bench train, Qwen2.5-32B shape, 8 x 8448 tokens per GPU) turbo-min peaks at 50.8 GiB against 44.7 GiB
-# forecast; stock's row is 3.4 GiB over its forecast too (within TOLERANCE). Beyond two gathered layers, neither
-# NCCL's buffers nor FSDP2's all-gather buffers around each recompute are modelled; the GPU run did not break it down.
-# At 8 x 33024 tokens per GPU (…-125204) turbo-min peaks at 53.5 GiB against 45.9 GiB forecast, while torch
-# allocated at most 42.1 GiB (the forecast is 3.3 GiB over that): the 11.3 GiB between are torch's cached blocks
-# (32768-token activations and tiles) and NCCL's, which the forecast does not model.
+# Under FSDP2 (bench train, Qwen2.5-32B shape, 8 x 8448 tokens per GPU) turbo-min peaks at 50.8 GiB: with the root's
+# gathered embedding and LM head counted, the forecast is 9% under (within TOLERANCE). At 8 x 33024 tokens per GPU
+# (…-125204) turbo-min peaks at 53.5 GiB, over 10% above the forecast, while torch allocated at most 42.1 GiB (less
+# than forecast): the 11.3 GiB between are torch's cached blocks (32768-token activations and tiles) and NCCL's,
+# which the forecast does not model.
 KNOWN_MISS_TOLERANCE = 0.15
 KNOWN_MISSES = dict.fromkeys([("e2e-qwen2.5-32b-realistic-2gpu-tp2-20261127-225752", "stock"),
                               ("train-qwen2.5-32b-2gpu-fsdp2-20261128-125204", "turbo-min"),
                               ("e2e-llama-3.1-8b-20261128-012724", "turbo"),
                               ("e2e-llama-3.1-8b-20261128-042956", "turbo"),
-                              ("train-qwen2.5-32b-2gpu-fsdp2-20261128-075129", "turbo-min"),
                               ("e2e-llama-3.1-8b-realistic-2gpu-tp2-20261128-071822", "stock"),
                               ("e2e-llama-3.1-8b-realistic-2gpu-tp2-20261128-124126", "stock")], KNOWN_MISS_TOLERANCE)
 # Four ranks, FSDP2 + TP=4 (4 x H200): turbo's training phase holds far more than forecast (Llama-3.1-8B 15.4 GiB
@@ -162,8 +160,9 @@ KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-160231", "turbo")]
 KNOWN_MISSES[("e2e-llama-3.1-8b-4gpu-tp4-20261128-155807", "turbo")] = 0.55
 # The 70B row again with in-place loading: no start-up peak, but its first micro-batch still ran as one forward (no
 # forward had been planned when it was split; now priced from the model's hidden size), and the caching allocator
-# kept those blocks for the second step, whose groups of two held 44.9 GiB of torch's: 53.5 GiB against 41.3
-# forecast. Its four-prompt row, whose peak is generation, is within TOLERANCE.
+# kept those blocks for the second step, whose groups of two held 44.9 GiB of torch's (43.2 GiB forecast for the
+# training phase): 53.5 GiB against 43.7 GiB forecast. Its four-prompt row, whose peak is generation, is within
+# TOLERANCE.
 KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-200224", "turbo")] = 0.25
 # Full fine-tuning under FSDP2 + TP=2 (8B shape, 16 x 576 tokens, bf16: fp32 masters): stock's rows are within
 # TOLERANCE (their peak is generation); turbo's peak is its training phase, forecast from fp32 weights, gradients
@@ -402,13 +401,16 @@ def test_hsdp_shards_the_training_state_over_the_tensor_parallel_group_only(monk
     parts = shared.phases[-1].parts
     assert parts["weights"] == spec.weight_bytes(False) // 2
     assert parts["adapter"] == 4 * spec.lora_parameters // 2
-    assert parts["gathered layers"] > 0
+    # two layers whole (computing, prefetched) and the other half of the root's embedding, LM head and final norm
+    root = spec.parameters - spec.layer_linear_parameters - spec.norms_per_layer * spec.hidden_size * spec.layers
+    assert root > 2 * spec.vocab_size * spec.hidden_size  # an untied LM head beside the embedding
+    assert parts["gathered weights"] == 2 * (spec.weight_bytes(False) // spec.layers) + 2 * root // 2
     whole = forecast_run(types.SimpleNamespace(**{**common, "vllm_tensor_parallel_size": 1},
                                                turbo_vllm_shared_weights=True, turbo_vllm_standby=True),
                          spec, capacity_bytes=80 * 2**30, prompt_tokens=256)
     # T=1: shard groups of one, whole weights on every GPU, nothing gathered
     assert whole.phases[-1].parts["weights"] == spec.weight_bytes(False)
-    assert "gathered layers" not in whole.phases[-1].parts
+    assert "gathered weights" not in whole.phases[-1].parts
     stock = forecast_run(types.SimpleNamespace(**common, vllm_enable_sleep_mode=True), spec,
                          capacity_bytes=80 * 2**30, prompt_tokens=256, stock=True)
     assert stock.phases[-1].parts["weights"] == spec.weight_bytes(False) // 4

@@ -52,6 +52,11 @@ class ModelSpec:
         rest = self.parameters - self.layer_linear_parameters
         return int(2 * rest + four_bit_bytes_per_weight(nested_4bit) * self.layer_linear_parameters)
 
+    def outside_layer_parameters(self) -> int:
+        """Parameters outside the decoder layers' linear modules and norms: the embedding, an untied LM head, the
+        final norm (and the layers' biases, where a family has them)."""
+        return self.parameters - self.layer_linear_parameters - self.norms_per_layer * self.hidden_size * self.layers
+
     def vllm_undone_scale_bytes(self) -> int:
         """The fp32 block scales vLLM computes beside packed 4-bit bytes it shares when they are double-quantized."""
         return int(FP32_SCALE_BYTES_PER_WEIGHT * self.layer_linear_parameters)

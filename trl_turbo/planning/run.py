@@ -232,7 +232,10 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         sharded_reserve = sharded_reserve_bytes(whole, spec.layers) if shards > 1 else 0
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
-        gathered = 2 * layer_bytes if shards > 1 else 0  # the layer computing and the one prefetched
+        # the layer computing and the one prefetched; and the root's parameters (embedding, LM head, final norm),
+        # which FSDP2 gathers at the root's forward and keeps whole until its backward ends
+        root = 2 * spec.outside_layer_parameters() * (shards - 1) // shards
+        gathered = 2 * layer_bytes + root if shards > 1 else 0
     # Adam's two moments in the trained parameters' dtype (fp32 for adapters and masters); on the host when offloaded
     optimizer = (OPTIMIZER_BYTES_PER_PARAM if not full else 2 * master_bytes) * trainable
     host_optimizer = 0
@@ -276,7 +279,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine + host_optimizer,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                          **({"gradients": gradients} if gradients else {}),
-                         "vLLM resident": engine_training, **({"gathered layers": gathered} if gathered else {}),
+                         "vLLM resident": engine_training, **({"gathered weights": gathered} if gathered else {}),
                          "activations": training.peak_bytes - static - optimizer - gradients - engine_training
                          - gathered}))
     return RunForecast("stock" if stock else "turbo", capacity_bytes, host_capacity_bytes, completion,

@@ -402,9 +402,9 @@ def test_hsdp_shards_the_training_state_over_the_tensor_parallel_group_only(monk
     assert parts["weights"] == spec.weight_bytes(False) // 2
     assert parts["adapter"] == 4 * spec.lora_parameters // 2
     # two layers whole (computing, prefetched) and the other half of the root's embedding, LM head and final norm
-    root = spec.parameters - spec.layer_linear_parameters - spec.norms_per_layer * spec.hidden_size * spec.layers
-    assert root > 2 * spec.vocab_size * spec.hidden_size  # an untied LM head beside the embedding
-    assert parts["gathered weights"] == 2 * (spec.weight_bytes(False) // spec.layers) + 2 * root // 2
+    # an untied LM head beside the embedding, and the final norm
+    assert spec.root_parameters == 2 * spec.vocab_size * spec.hidden_size + spec.hidden_size
+    assert parts["gathered weights"] == 2 * (spec.weight_bytes(False) // spec.layers) + 2 * spec.root_parameters // 2
     whole = forecast_run(types.SimpleNamespace(**{**common, "vllm_tensor_parallel_size": 1},
                                                turbo_vllm_shared_weights=True, turbo_vllm_standby=True),
                          spec, capacity_bytes=80 * 2**30, prompt_tokens=256)

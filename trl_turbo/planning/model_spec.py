@@ -43,6 +43,7 @@ class ModelSpec:
     head_dim: int
     key_value_heads: int
     max_position_embeddings: int
+    root_parameters: int = 0  # outside every layer stack: embeddings, an untied LM head, final norms (FSDP2's root)
 
     def weight_bytes(self, quantized_4bit: bool, nested_4bit: bool = True) -> int:
         """The frozen base weights in 16-bit, or with the layers' linear weights in 4-bit (`nested_4bit`: their block
@@ -51,11 +52,6 @@ class ModelSpec:
             return 2 * self.parameters
         rest = self.parameters - self.layer_linear_parameters
         return int(2 * rest + four_bit_bytes_per_weight(nested_4bit) * self.layer_linear_parameters)
-
-    def outside_layer_parameters(self) -> int:
-        """Parameters outside the decoder layers' linear modules and norms: the embedding, an untied LM head, the
-        final norm (and the layers' biases, where a family has them)."""
-        return self.parameters - self.layer_linear_parameters - self.norms_per_layer * self.hidden_size * self.layers
 
     def vllm_undone_scale_bytes(self) -> int:
         """The fp32 block scales vLLM computes beside packed 4-bit bytes it shares when they are double-quantized."""
@@ -105,6 +101,8 @@ def model_spec(config: Any, lora_r: int | None = None,
                 if lora_r and _matches(name, lora_targets):
                     lora += lora_r * (module.in_features + module.out_features)
                     adapted += module.weight.numel()
+    stacked = {id(p) for stack in model.modules() if isinstance(stack, torch.nn.ModuleList)
+               for p in stack.parameters()}
     hidden = text.hidden_size
     norms = sum(1 for m in layers[0].modules()
                 if "norm" in type(m).__name__.lower() and getattr(m, "weight", None) is not None
@@ -119,4 +117,5 @@ def model_spec(config: Any, lora_r: int | None = None,
         layer_linear_parameters=layer_linear, lora_parameters=lora, adapted_parameters=adapted, head_dim=head_dim,
         key_value_heads=kv_heads,
         max_position_embeddings=getattr(text, "max_position_embeddings", 0) or 0,
+        root_parameters=sum(p.numel() for p in model.parameters() if id(p) not in stacked),
     )

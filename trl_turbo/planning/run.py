@@ -234,7 +234,7 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
         adapter, trainable = adapter // shards, -(-trainable // shards)
         # the layer computing and the one prefetched; and the root's parameters (embedding, LM head, final norm),
         # which FSDP2 gathers at the root's forward and keeps whole until its backward ends
-        root = 2 * spec.outside_layer_parameters() * (shards - 1) // shards
+        root = 2 * spec.root_parameters * (shards - 1) // shards
         gathered = 2 * layer_bytes + root if shards > 1 else 0
     # Adam's two moments in the trained parameters' dtype (fp32 for adapters and masters); on the host when offloaded
     optimizer = (OPTIMIZER_BYTES_PER_PARAM if not full else 2 * master_bytes) * trainable

@@ -594,3 +594,15 @@ def test_shards_that_are_whole_on_each_rank_gather_nothing_and_reserve_nothing(m
     planner = memory_plan.MemoryPlanner(layer_count=2, parameters=torch.nn.Linear(8, 8).parameters,
                                         can_offload=True)
     assert planner._sharded_reserve() == 0 and planner.sharded_reserve == 0  # decided once sharded
+
+
+def test_a_model_whose_config_or_embeddings_say_nothing_leaves_the_first_micro_batch_to_its_first_forward():
+    from trl_turbo.offload.install import _layer_input
+
+    class Silent(torch.nn.Module):
+        def get_input_embeddings(self):
+            raise NotImplementedError  # as transformers raises where it finds no embedding layer
+
+    assert _layer_input(Silent()) == (0, 2)
+    model = _model(2)
+    assert _layer_input(model) == (model.config.hidden_size, 4)  # this tiny model's embeddings are fp32

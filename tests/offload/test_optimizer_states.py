@@ -280,3 +280,24 @@ def test_overlapped_copies_on_side_streams_step_to_the_same_parameters_bit_for_b
     saved, expected = optimizer.state_dict(), reference_optimizer.state_dict()  # waits for the last sends
     for key, state in expected["state"].items():
         assert all(torch.equal(saved["state"][key][name], value) for name, value in state.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlapped_copies_keep_a_few_chunks_of_states_on_the_device():
+    """The host queues a step's copies far ahead of the device; each prefetch reuses the memory of a chunk already
+    sent (the host waits for that send), so a step holds a few chunks of states, never all of them."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(32)]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    OptimizerStateOffload(optimizer, chunk_bytes=8 << 20, pin=True, min_state_bytes=1 << 20)  # a weight a chunk
+    states = 32 * 2 * 4 * 1024 * 1024  # 256 MiB of moments, 32 chunks of 8 MiB
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(16, 1024, device="cuda")).square().mean().backward()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        optimizer.step()
+        torch.cuda.synchronize()
+        held = torch.cuda.max_memory_allocated() - before
+        assert held <= 6 * (8 << 20) < states, held / 2**20  # arriving, updated, leaving, and Adam's temporaries

@@ -304,7 +304,7 @@ def capped_engine_share(variant: str, utilization: float, cap_bytes: int, total_
     """The `vllm_gpu_memory_utilization` a variant runs with under a cap: vLLM takes its share of the device's whole
     memory, so an engine TRL sizes by that share (stock's) gets the same share of the device the cap stands for (an
     H100's 0.3 under a 79.1 GiB cap on an H200); trl_turbo sizes its engine from the memory free (unchanged)."""
-    return utilization * cap_bytes / total_bytes if variant == "stock" else utilization
+    return utilization * min(cap_bytes, total_bytes) / total_bytes if variant == "stock" else utilization
 
 
 def grpo_kwargs(spec: dict[str, Any]) -> dict[str, Any]:

@@ -86,13 +86,25 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
     layers = _decoder_layers(model)
     # the tiled MLP runs a post-MLP-norm layer's recompute untiled under "auto" (`offload.tiled_mlp`)
     untiled = any(hasattr(layer, "post_feedforward_layernorm") for layer in layers)
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embeddings, "weight", None)
+    hidden_size, element_size = _layer_input(model)
     return MemoryPlanner(layer_count=len(layers), parameters=parameters, can_offload=can_offload,
-                         untiled_recompute=untiled, hidden_size=getattr(text_config, "hidden_size", 0) or 0,
-                         hidden_element_size=weight.element_size() if weight is not None else 2)
+                         untiled_recompute=untiled, hidden_size=hidden_size, hidden_element_size=element_size)
+
+
+def _layer_input(model: torch.nn.Module) -> tuple[int, int]:
+    """(hidden size, element size) of a decoder layer's input as the model's config and input embeddings give them;
+    (0, 2) where they do not say (the planner then waits for its first forward to see one)."""
+    try:
+        config = model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
+    except (AttributeError, ValueError, TypeError):
+        hidden_size = 0
+    try:
+        weight = getattr(model.get_input_embeddings(), "weight", None)
+    except (AttributeError, NotImplementedError):
+        weight = None
+    return hidden_size, weight.element_size() if isinstance(weight, torch.Tensor) else 2
 
 
 RUNTIME_ATTRIBUTE = "_trl_turbo_checkpointing"

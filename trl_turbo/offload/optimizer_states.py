@@ -18,9 +18,11 @@ Design decisions:
   so chunk i+1 arrives while chunk i steps and chunk i-1 leaves: PCIe carries both directions at once and the step
   costs about one direction's transfer, not two plus the update (8B full fine-tuning on 2 x H200: 30 GiB of Adam's
   states per GPU each way, 1.30 s a step when every copy ran on the compute stream). The device holds about three
-  chunks of states at a time (`CHUNK_BYTES`). A state sent away is freed once its copy is done (the allocator waits
-  on the copy stream); the next step's fetches, and `state_dict`, wait for the last sends. On CPU the same schedule
-  runs with synchronous copies.
+  chunks of states at a time (`CHUNK_BYTES`): a state sent away is freed once its copy is done (the allocator waits
+  on the copy stream), and before a chunk's memory is allocated the host waits for the send two chunks back, whose
+  memory it then reuses (the host runs far ahead of the copies otherwise, and every chunk would take new memory).
+  States are allocated on the compute stream, so training reuses their memory. The next step's fetches, and
+  `state_dict`, wait for the last sends. On CPU the same schedule runs with synchronous copies.
 - A step's first call creates the states on the device (the optimizer's own lazy initialisation); they leave it
   when that chunk is done.
 """
@@ -56,10 +58,12 @@ class OptimizerStateOffload:
     scheduler wrapped its `step`; `pin`: page-lock the host buffers (CUDA)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, chunk_bytes: int = CHUNK_BYTES, pin: bool = True,
+                 device: torch.device | None = None,
                  min_state_bytes: int = MIN_STATE_BYTES, host_chunk_bytes: int = HOST_CHUNK_BYTES) -> None:
         self.optimizer = optimizer
         self.chunk_bytes = chunk_bytes
         self.pin = pin
+        self.device = device  # of the states, where the copy streams live (None: the current CUDA device)
         self.min_state_bytes = min_state_bytes
         self._pool = PinnedPool(budget_bytes=2**62, chunk_bytes=host_chunk_bytes, pin=pin,
                                 purpose="optimizer state offload",
@@ -68,7 +72,7 @@ class OptimizerStateOffload:
         self._host: dict[tuple[int, str], HostBlocks] = {}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
         self._timing: _StepTiming | None = None  # the last step's, until its metric is read
-        self._streams: _CopyStreams | None = None  # made at the first step, on the device then current
+        self._streams: _CopyStreams | None = None  # made at the first step
         self._step = original = optimizer.step
         if hasattr(original, "_wrapped_by_lr_sched"):  # an LR scheduler counts the steps through it: keep its mark
             @functools.wraps(original)
@@ -100,16 +104,23 @@ class OptimizerStateOffload:
         everything = [group["params"] for group in groups]
         chunks = list(self._chunks(everything))
         streams.fetch_after(streams.send)  # the host copies the last step's sends wrote are complete
+        sent: list[torch.cuda.Event | None] = []
         try:
             arrived = self._prefetch(chunks[0], streams) if chunks else None
             for index, chunk in enumerate(chunks):
                 streams.current_waits(arrived)
-                # the next chunk's copy starts now, beside this chunk's update and the last chunk's send
-                arrived = self._prefetch(chunks[index + 1], streams) if index + 1 < len(chunks) else None
+                if index + 1 < len(chunks):
+                    # the next chunk's copy starts now, beside this chunk's update and the last chunk's send; its
+                    # memory is the chunk before that one's, once sent: the host waits for that send, or every
+                    # prefetch would take new memory while the sends are still queued
+                    if index >= 2:
+                        streams.host_waits(sent[index - 2])
+                    arrived = self._prefetch(chunks[index + 1], streams)
                 for group, params in zip(groups, chunk, strict=True):
                     group["params"] = params
                 self._step()
                 self._send(self._states(p for params in chunk for p in params), streams)  # new ones too
+                sent.append(streams.mark(streams.send))
         finally:
             for group, params in zip(groups, everything, strict=True):
                 group["params"] = params
@@ -128,8 +139,9 @@ class OptimizerStateOffload:
     def fetch_all(self) -> None:
         """Every state back on the device (before `state_dict`, or a step with a closure), on the current stream."""
         streams = self._copy_streams()
-        streams.current_waits(streams.send_done())
-        self._fetch(self._all_states())
+        streams.current_waits(streams.mark(streams.send))
+        streams.current_waits(streams.mark(streams.fetch))  # a prefetch a failed step left running
+        self._fetch(self._all_states(), streams)
 
     def close(self) -> None:
         """Every state back on the device, the optimizer as it was."""
@@ -182,35 +194,37 @@ class OptimizerStateOffload:
 
     def _copy_streams(self) -> _CopyStreams:
         if self._streams is None:
-            self._streams = _CopyStreams(self.pin and torch.cuda.is_available())
+            cuda = self.pin and torch.cuda.is_available()
+            self._streams = _CopyStreams((self.device or torch.device("cuda", torch.cuda.current_device()))
+                                         if cuda else None)
         return self._streams
 
     def _prefetch(self, chunk: list[list[torch.Tensor]], streams: _CopyStreams) -> torch.cuda.Event | None:
-        """Start bringing `chunk`'s states to the device, allocated and filled on the fetch stream after the work the
-        current stream has queued; returns the event the chunk's update waits for."""
-        states = self._states(p for params in chunk for p in params)
-        streams.fetch_after(None)
-        with streams.on(streams.fetch):
-            self._fetch(states)
+        """Start bringing `chunk`'s states to the device, their memory allocated on the current stream (so training
+        reuses it) and filled on the fetch stream; returns the event the chunk's update waits for."""
+        self._fetch(self._states(p for params in chunk for p in params), streams, streams.fetch)
         return streams.mark(streams.fetch)
 
     @torch.no_grad()
     def _send(self, states: list[tuple[dict[str, Any], str]], streams: _CopyStreams) -> None:
         """Copy `states` to the host on the send stream once the current stream's work on them is done, and free
         their device storage (reused only after the copy: the allocator waits on that stream)."""
+        moving = []
+        for holder, name in states:
+            local = local_of(holder[name])
+            if local.untyped_storage().nbytes() == 0:
+                continue  # sent already
+            if not _owns_resizable_storage(local):  # a view, or loaded from a file: a copy of its own moves
+                holder[name] = holder[name].clone(memory_format=torch.contiguous_format)  # on the current stream
+            moving.append((holder, name))
         streams.send_after_current()
         with streams.on(streams.send):
-            self._store(states, streams.send)
+            self._store(moving, streams.send)
 
     def _store(self, states: list[tuple[dict[str, Any], str]], stream: torch.cuda.Stream | None) -> None:
         for holder, name in states:
             value = holder[name]
             local = local_of(value)
-            if local.untyped_storage().nbytes() == 0:
-                continue  # sent already
-            if not _owns_resizable_storage(local):  # a view, or loaded from a file: a copy of its own moves
-                holder[name] = value = value.clone(memory_format=torch.contiguous_format)
-                local = local_of(value)
             key = (id(holder), name)
             blocks = self._host.get(key)
             if blocks is None or self._resident.get(key) is not value:
@@ -224,24 +238,32 @@ class OptimizerStateOffload:
             local.untyped_storage().resize_(0)
 
     @torch.no_grad()
-    def _fetch(self, states: list[tuple[dict[str, Any], str]]) -> None:
-        """Bring `states` back into their own storage, copying on the stream in use."""
+    def _fetch(self, states: list[tuple[dict[str, Any], str]], streams: _CopyStreams,
+               stream: torch.cuda.Stream | None = None) -> None:
+        """Bring `states` back into their own storage: allocated on the current stream, copied on `stream` (None:
+        the current one) once the current stream's queued work is done."""
+        arriving = []
         for holder, name in states:
             local = local_of(holder[name])
             if local.untyped_storage().nbytes() != 0:
                 continue  # on the device (never sent, or loaded since)
             blocks = self._host[(id(holder), name)]
             local.untyped_storage().resize_(blocks.nbytes)
-            blocks.load(flat_bytes(local), non_blocking=self.pin)
+            arriving.append((local, blocks))
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with streams.on(stream):
+            for local, blocks in arriving:
+                blocks.load(flat_bytes(local), non_blocking=self.pin)
 
 
 class _CopyStreams:
     """The side streams a step's copies run on (CUDA), or none (CPU: every copy is synchronous, each method a no-op
     and `on` the current stream)."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.fetch = torch.cuda.Stream() if cuda else None
-        self.send = torch.cuda.Stream() if cuda else None
+    def __init__(self, device: torch.device | None) -> None:
+        self.fetch = torch.cuda.Stream(device) if device is not None else None
+        self.send = torch.cuda.Stream(device) if device is not None else None
 
     @staticmethod
     def on(stream: torch.cuda.Stream | None) -> Any:
@@ -260,8 +282,10 @@ class _CopyStreams:
     def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         return stream.record_event() if stream is not None else None
 
-    def send_done(self) -> torch.cuda.Event | None:
-        return self.mark(self.send)
+    @staticmethod
+    def host_waits(event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()
 
     @staticmethod
     def current_waits(event: torch.cuda.Event | None) -> None:
@@ -336,5 +360,5 @@ def install(optimizer: Any, device: torch.device) -> OptimizerStateOffload:
         raise ValueError(f"trl_turbo: `turbo_offload_optimizer_states=True` needs about {expected / 2**30:.1f} GiB of "
                          f"pinned host memory for this process's optimizer states, and its share of the host's "
                          f"available memory is {share / 2**30:.1f} GiB. Set it to False, or train on more GPUs.")
-    return OptimizerStateOffload(optimizer, pin=device.type == "cuda", min_state_bytes=MIN_STATE_BYTES,
+    return OptimizerStateOffload(optimizer, pin=device.type == "cuda", device=device, min_state_bytes=MIN_STATE_BYTES,
                                  host_chunk_bytes=HOST_CHUNK_BYTES)

@@ -227,14 +227,15 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     gathered = sharded_reserve = 0
     if processes > 1:
         shards = tp if shared else processes
-        layer_bytes = spec.weight_bytes(quantized_4bit, nested_4bit) // max(1, spec.layers)  # gathered in 16 bits
+        root = 2 * spec.root_parameters  # 16-bit whatever the layers' quantization
+        layer_bytes = (spec.weight_bytes(quantized_4bit, nested_4bit) - root) // max(1, spec.layers)
         whole = gathered_model_bytes(spec, quantized_4bit, nested_4bit)
         sharded_reserve = sharded_reserve_bytes(whole, spec.layers) if shards > 1 else 0
         weights //= shards
         adapter, trainable = adapter // shards, -(-trainable // shards)
-        # the layer computing and the one prefetched; and the root's parameters (embedding, LM head, final norm),
-        # which FSDP2 gathers at the root's forward and keeps whole until its backward ends
-        root = 2 * spec.root_parameters * (shards - 1) // shards
+        # the layer computing and the one prefetched, and the root's parameters (embedding, LM head, final norm),
+        # which FSDP2 gathers at the root's forward and keeps whole until its backward ends: each gathered tensor is
+        # whole beside the rank's shard
         gathered = 2 * layer_bytes + root if shards > 1 else 0
     # Adam's two moments in the trained parameters' dtype (fp32 for adapters and masters); on the host when offloaded
     optimizer = (OPTIMIZER_BYTES_PER_PARAM if not full else 2 * master_bytes) * trainable

@@ -465,3 +465,24 @@ def test_full_finetuning_without_shared_weights_keeps_vllms_copy_and_4_bit_full_
     assert forecast.phases[-1].parts["vLLM resident"] == spec.weight_bytes(False) // 2
     with pytest.raises(ValueError, match="purely quantized"):
         run_plan_of(types.SimpleNamespace(**fields), spec, quantized_4bit=True)
+
+
+def test_the_report_calls_min_the_least_only_where_it_is(monkeypatch):
+    """'min' runs forwards as large as the token budget allows, so where 'auto' splits a large micro-batch into
+    smaller groups (Llama-3.3-70B, 8 x 2112 tokens per rank under FSDP2 + TP=4) "min" needs more, and the report
+    says so instead of calling it the least."""
+    from trl_turbo.planning.report import render
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    values = dict(use_vllm=True, vllm_mode="colocate", per_device_train_batch_size=8, num_generations=8,
+                  max_completion_length=2048, vllm_tensor_parallel_size=4, turbo_vllm_shared_weights=True,
+                  turbo_vllm_standby=True, gradient_checkpointing=True, beta=0.0, use_peft=True, lora_r=16,
+                  lora_alpha=16, lora_target_modules="all-linear", fsdp="full_shard", fsdp_config={"version": 2})
+    forecast = plan(values, "llama-3.3-70b", gpu_gib=79.1, host_gib=512, prompt_tokens=64, processes=4)
+    assert forecast.turbo_min_peak > forecast.turbo.peak_bytes and forecast.turbo.training.groups > 1
+    text = render(forecast)
+    assert "the least trl_turbo needs" not in text and "turbo_memory_plan='min' would need" in text
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one_gpu = {**values, "vllm_tensor_parallel_size": 1, "fsdp": "", "fsdp_config": None}
+    small = plan(one_gpu, "llama-3.1-8b", gpu_gib=40, host_gib=64, prompt_tokens=64)
+    assert small.turbo_min_peak <= small.turbo.peak_bytes and "the least trl_turbo needs" in render(small)

@@ -45,8 +45,12 @@ def render(plan: Any) -> str:
         described = describe_plan(training.plan).strip().replace("first training micro-batch", "steady state")
         lines.append(f"training: {training.groups} forward(s) of {training.group_sequences} sequence(s) per "
                      f"micro-batch; {described}")
-        lines.append(f"the least trl_turbo needs (turbo_memory_plan='min'): {plan.turbo_min_peak / _GIB:.1f} GiB; "
-                     "'auto' spends free memory on speed")
+        if plan.turbo_min_peak <= turbo.peak_bytes:
+            lines.append(f"the least trl_turbo needs (turbo_memory_plan='min'): {plan.turbo_min_peak / _GIB:.1f} GiB; "
+                         "'auto' spends free memory on speed")
+        else:  # "min" runs forwards as large as turbo_forward_token_budget allows; "auto" priced smaller groups
+            lines.append(f"turbo_memory_plan='min' would need {plan.turbo_min_peak / _GIB:.1f} GiB: its forwards are "
+                         "as large as turbo_forward_token_budget allows, where 'auto' runs smaller groups")
     elif training.mode == "min":
         lines.append(f"training: {training.groups} forward(s) of {training.group_sequences} sequence(s) per "
                      "micro-batch; every layer offloads its checkpoint (the most frugal plan)")

@@ -308,12 +308,13 @@ def test_e2e_gpu_cap_counts_the_drivers_context_on_gpu0_only_and_shows_in_rows_a
     assert e2e.write_results(meta, [capped], tmp_path, "e2e-cap").with_suffix(".png").exists()
 
 
-def test_e2e_cap_gives_stocks_engine_its_share_of_the_capped_device_and_leaves_turbos_sizing_alone():
+def test_e2e_cap_gives_a_share_sized_engine_its_share_of_the_capped_device_and_leaves_turbos_budget_alone():
     h200, h100 = 140 * 2**30, 80 * 2**30
-    assert e2e.capped_engine_share("stock", 0.3, h100, h200) == pytest.approx(0.3 * 80 / 140)  # 24 GiB, as on an H100
-    assert e2e.capped_engine_share("stock", 0.3, h200, h200) == pytest.approx(0.3)  # a cap at the device: unchanged
-    for variant in ("turbo", "turbo-fp8"):  # a changed share would switch off the automatic KV budget
-        assert e2e.capped_engine_share(variant, 0.3, h100, h200) == 0.3
+    assert e2e.capped_engine_share(True, 0.3, h100, h200) == pytest.approx(0.3 * 80 / 140)  # 24 GiB, as on an H100
+    assert e2e.capped_engine_share(True, 0.3, h200, h200) == pytest.approx(0.3)  # a cap at the device: unchanged
+    assert e2e.capped_engine_share(True, 0.3, 2 * h200, h200) == pytest.approx(0.3)  # never scaled up
+    # trl_turbo's automatic KV budget (a changed share would switch it off)
+    assert e2e.capped_engine_share(False, 0.3, h100, h200) == 0.3
 
 
 def test_e2e_child_failure_becomes_a_row(tmp_path):

@@ -300,11 +300,12 @@ def others_before(spec: dict[str, Any], device: Any) -> int:
     return spec["device_used_before"] if device.index in (None, 0) else 0
 
 
-def capped_engine_share(variant: str, utilization: float, cap_bytes: int, total_bytes: int) -> float:
+def capped_engine_share(sized_by_share: bool, utilization: float, cap_bytes: int, total_bytes: int) -> float:
     """The `vllm_gpu_memory_utilization` a variant runs with under a cap: vLLM takes its share of the device's whole
-    memory, so an engine TRL sizes by that share (stock's) gets the same share of the device the cap stands for (an
-    H100's 0.3 under a 79.1 GiB cap on an H200); trl_turbo sizes its engine from the memory free (unchanged)."""
-    return utilization * min(cap_bytes, total_bytes) / total_bytes if variant == "stock" else utilization
+    memory, so an engine sized by that share (stock's, or a variant that sets it) gets the same share of the device
+    the cap stands for (an H100's 0.3 under a 79.1 GiB cap on an H200); trl_turbo's automatic KV budget sizes its
+    engine from the memory free (unchanged)."""
+    return utilization * min(cap_bytes, total_bytes) / total_bytes if sized_by_share else utilization
 
 
 def grpo_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
@@ -354,7 +355,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
                         model_init_kwargs=dict(MODEL_INIT_KWARGS),  # a 4-bit checkpoint is saved quantized
                         **spec["variant_config"][variant])
     if cap:
-        share = capped_engine_share(variant, config.vllm_gpu_memory_utilization, int(spec["gpu_gib"] * GIB),
+        sized_by_share = variant == "stock" or "vllm_gpu_memory_utilization" in spec["variant_config"][variant]
+        share = capped_engine_share(sized_by_share, config.vllm_gpu_memory_utilization, int(spec["gpu_gib"] * GIB),
                                     torch.cuda.mem_get_info(device)[1])
         config.vllm_gpu_memory_utilization = cap["vllm_gpu_memory_utilization"] = share
     tokenizer = load_tokenizer(spec["checkpoint"])

@@ -91,6 +91,11 @@ PRIOR_LAYER_BYTES_PER_INPUT_BYTE = 24
 HEAD_HIDDEN_STATES = 4
 
 
+def head_bytes_per_token(hidden_size: int) -> int:
+    """What follows the layers per token: `HEAD_HIDDEN_STATES` fp32 tensors of the hidden size."""
+    return HEAD_HIDDEN_STATES * hidden_size * 4
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """How the checkpointed decoder layers of one forward run, in layer order: the first `offloaded` layers offload
@@ -354,7 +359,7 @@ class MemoryPlanner:
         budget = self._budget(hidden.device)
         tokens = hidden.numel() // hidden.shape[-1]
         input_bytes = hidden.numel() * hidden.element_size()
-        head_bytes = HEAD_HIDDEN_STATES * hidden.numel() * 4
+        head_bytes = head_bytes_per_token(hidden.shape[-1]) * tokens
         self.input_bytes_per_token = input_bytes // max(tokens, 1)
         self.head_bytes_per_token = head_bytes // max(tokens, 1)
         self.last_budget = budget
@@ -417,7 +422,7 @@ class MemoryPlanner:
         set the run's peak, 9 GiB over its later steps' on 4 x H200)."""
         if not self.input_bytes_per_token and self.hidden_size:
             self.input_bytes_per_token = self.hidden_size * self.hidden_element_size
-            self.head_bytes_per_token = HEAD_HIDDEN_STATES * self.hidden_size * 4  # as `run_first_layer` counts it
+            self.head_bytes_per_token = head_bytes_per_token(self.hidden_size)
         if self.last_budget is None and device is not None:
             self.last_budget = self._budget(device)
         if self.last_budget is None or not self.input_bytes_per_token:

@@ -26,9 +26,9 @@ from ..config import MemoryPlanMode
 from ..families import LLAMA_NORM_MODEL_TYPES, POST_MLP_NORM_MODEL_TYPES
 from ..grpo.sequence_groups import group_count
 from ..offload.memory_plan import (
-    HEAD_HIDDEN_STATES,
     LayerPlan,
     fastest_group_rows,
+    head_bytes_per_token,
     plan_tokens,
     recompute_working_factor,
     spendable,
@@ -137,7 +137,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes,
                              sharded_reserve)
 
-    head_per_token = HEAD_HIDDEN_STATES * spec.hidden_size * 4
+    head_per_token = head_bytes_per_token(spec.hidden_size)
 
     def plan_for(group_tokens: int) -> LayerPlan:
         return plan_tokens(spec.layers, group_tokens, kept_per_token, working_per_token, unit, head_per_token, free,

@@ -103,7 +103,7 @@ class OptimizerStateOffload:
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         chunks = list(self._chunks(everything))
-        streams.fetch_after(streams.send)  # the host copies the last step's sends wrote are complete
+        streams.wait(streams.fetch, streams.send)  # the host copies the last step's sends wrote are complete
         sent: list[torch.cuda.Event | None] = []
         try:
             arrived = self._prefetch(chunks[0], streams) if chunks else None
@@ -217,7 +217,7 @@ class OptimizerStateOffload:
             if not _owns_resizable_storage(local):  # a view, or loaded from a file: a copy of its own moves
                 holder[name] = holder[name].clone(memory_format=torch.contiguous_format)  # on the current stream
             moving.append((holder, name))
-        streams.send_after_current()
+        streams.wait(streams.send)
         with streams.on(streams.send):
             self._store(moving, streams.send)
 
@@ -250,8 +250,7 @@ class OptimizerStateOffload:
             blocks = self._host[(id(holder), name)]
             local.untyped_storage().resize_(blocks.nbytes)
             arriving.append((local, blocks))
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
+        streams.wait(stream)
         with streams.on(stream):
             for local, blocks in arriving:
                 blocks.load(flat_bytes(local), non_blocking=self.pin)
@@ -269,14 +268,11 @@ class _CopyStreams:
     def on(stream: torch.cuda.Stream | None) -> Any:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    def fetch_after(self, stream: torch.cuda.Stream | None) -> None:
-        """The fetch stream waits for `stream`'s queued work (None: the current stream's, whose memory it fills)."""
-        if self.fetch is not None:
-            self.fetch.wait_stream(stream if stream is not None else torch.cuda.current_stream())
-
-    def send_after_current(self) -> None:
-        if self.send is not None:
-            self.send.wait_stream(torch.cuda.current_stream())
+    @staticmethod
+    def wait(waiter: torch.cuda.Stream | None, waited: torch.cuda.Stream | None = None) -> None:
+        """`waiter`'s later work waits for the work queued so far on `waited` (default: the current stream)."""
+        if waiter is not None:
+            waiter.wait_stream(waited if waited is not None else torch.cuda.current_stream())
 
     @staticmethod
     def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:

@@ -43,7 +43,8 @@ def test_the_rows_kernel_is_within_the_naive_error_of_the_exact_product(m, bias)
     from trl_turbo.kernels.fp8_rows_matmul import fp8_rows_matmul
 
     x, weight, scale, b = _inputs(m, 72, 300, seed=m, bias=bias)  # N, K off every block size
-    for config in (None, (32, 64, 4, 2, 2)):  # the launch's own, and K split in two runs
+    # the launch's own; K split in two runs; W as the dot's left operand, whole and split
+    for config in (None, (32, 64, 4, 2, 2), (32, 64, 4, 2, 1, True), (32, 64, 4, 2, 2, True)):
         result = fp8_rows_matmul(x, weight, scale, b, config=config)
         assert result.shape == (m, 72) and result.dtype == torch.bfloat16
         assert_within_naive_error(result, _naive(x, weight, scale, b), _exact(x, weight, scale, b),
@@ -116,7 +117,8 @@ def test_the_op_is_opaque_to_a_compiled_graph():
 @needs_triton
 @pytest.mark.parametrize("m", [3, 40])
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_the_rows_kernel_is_exact_where_every_product_and_sum_is_representable(m, split_k):
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_the_rows_kernel_is_exact_where_every_product_and_sum_is_representable(m, split_k, weight_first):
     """Small integers in x and in the e4m3 weight, a power-of-two scale: every partial sum is an integer below bf16's
     256, so any tiling or masking mistake (or a scale applied twice or not at all) shows as a wrong value."""
     from trl_turbo.kernels.fp8_rows_matmul import fp8_rows_matmul
@@ -128,7 +130,8 @@ def test_the_rows_kernel_is_exact_where_every_product_and_sum_is_representable(m
     bias = torch.randint(-3, 4, (29,), generator=generator).to(torch.bfloat16).to(DEVICE)
     expected = (x.float() @ weight.float().T * 0.5 + bias.float()).to(torch.bfloat16)
     # 16-wide tiles of N and K: K = 37 in three runs of 16, 16 and 5 columns, added by the second kernel
-    assert torch.equal(fp8_rows_matmul(x, weight, scale, bias, config=(16, 16, 4, 2, split_k)), expected)
+    assert torch.equal(fp8_rows_matmul(x, weight, scale, bias, config=(16, 16, 4, 2, split_k, weight_first)),
+                       expected)
     assert torch.equal(fp8_rows_matmul(x, weight, scale, bias), expected)  # the launch's own configuration
 
 

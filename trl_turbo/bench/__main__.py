@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import cpu_step, curves, e2e, engine_options, is_gap, loss, results, roofline, soak, train
+from . import cpu_step, curves, decode_gemm, e2e, engine_options, is_gap, loss, results, roofline, soak, train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -20,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     loss.add_parser(subparsers)
     e2e.add_parser(subparsers)
     engine_options.add_parser(subparsers)
+    decode_gemm.add_parser(subparsers)
     curves.add_parser(subparsers)
     is_gap.add_parser(subparsers)
     roofline.add_parser(subparsers)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,45 +35,62 @@ LARGEST_BLOCK_M = 64  # all of M sits in one tile's registers: decode-sized batc
 
 @triton.jit
 def _fp8_rows_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, k_per_split, stride_xm, stride_wn,
-                            stride_om, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, SPLIT_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            stride_om, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                            WEIGHT_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_m = tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k, k_start + k_per_split)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + cols[None, :],
-                    mask=(rows_m[:, None] < m) & (cols[None, :] < k_stop), other=0.0)
-        # W's tile loaded as [BLOCK_K, BLOCK_N] (the dot's right operand as it is consumed, no transpose in
-        # registers); consecutive k are consecutive bytes
-        w = tl.load(w_ptr + rows_n[None, :] * stride_wn + cols[:, None],
-                    mask=(rows_n[None, :] < n) & (cols[:, None] < k_stop), other=0.0)
-        if WIDE:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
+    if WEIGHT_FIRST:
+        # out^T = W @ x^T: W's rows are the dot's M side, where Hopper's warp-group MMA wants 64 rows, and the few
+        # activation rows its narrow N side
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows_n[:, None] * stride_wn + cols[None, :],
+                        mask=(rows_n[:, None] < n) & (cols[None, :] < k_stop), other=0.0)
+            x_t = tl.load(x_ptr + rows_m[None, :] * stride_xm + cols[:, None],
+                          mask=(rows_m[None, :] < m) & (cols[:, None] < k_stop), other=0.0)
+            if WIDE:
+                acc_t += tl.dot(w.to(tl.float32), x_t.to(tl.float32), input_precision="ieee")
+            else:
+                acc_t += tl.dot(w.to(x_t.dtype), x_t)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows_m[:, None] * stride_xm + cols[None, :],
+                        mask=(rows_m[:, None] < m) & (cols[None, :] < k_stop), other=0.0)
+            # W's tile loaded as [BLOCK_K, BLOCK_N] (the dot's right operand as it is consumed, no transpose in
+            # registers); consecutive k are consecutive bytes
+            w = tl.load(w_ptr + rows_n[None, :] * stride_wn + cols[:, None],
+                        mask=(rows_n[None, :] < n) & (cols[:, None] < k_stop), other=0.0)
+            if WIDE:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
     mask = (rows_m[:, None] < m) & (rows_n[None, :] < n)
-    if SPLIT_K == 1:
+    if ONE_SPLIT:
         acc = acc * tl.load(scale_ptr).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows_n, mask=rows_n < n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows_m[:, None] * stride_om + rows_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
-    else:  # out_ptr is the fp32 partial buffer [SPLIT_K, M, N]
+    else:  # out_ptr is the fp32 partial buffer [splits, M, N]
         tl.store(out_ptr + pid_k * m * n + rows_m[:, None] * n + rows_n[None, :], acc, mask=mask)
 
 
 @triton.jit
-def _sum_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, m, n, stride_om, HAS_BIAS: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, m, n, splits, stride_om, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = index < m * n
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(SPLIT_K):
+    for split in range(splits):
         total += tl.load(partial_ptr + split * m * n + index, mask=inside, other=0.0)
     total = total * tl.load(scale_ptr).to(tl.float32)
     row = index // n
@@ -82,14 +100,26 @@ def _sum_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, m, n, stride_o
     tl.store(out_ptr + row * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def launch_config(block_m: int, n: int, k: int, programs_wanted: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) for a tile of `block_m` rows against [N, K]: 64 of W's rows per
-    program, K's tile shrinking as M's grows (the activations' tiles stay in shared memory), and K split until
-    about `programs_wanted` programs run (two per SM), each run at least four tiles long."""
+class LaunchConfig(NamedTuple):
+    """How one product is tiled: W's rows and K's run per tile, the warps and pipeline stages of a program, the
+    number of runs K is split into, and which operand is the dot's left one."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    split_k: int
+    weight_first: bool = False
+
+
+def launch_config(block_m: int, n: int, k: int, programs_wanted: int) -> LaunchConfig:
+    """The tiling of a `block_m`-row tile against [N, K]: 64 of W's rows per program, K's tile shrinking as M's
+    grows (the activations' tiles stay in shared memory), and K split until about `programs_wanted` programs run
+    (two per SM), each run at least four tiles long."""
     block_n, block_k = 64, {16: 256, 32: 128}.get(block_m, 64)
     column_programs = triton.cdiv(n, block_n)
     split_k = max(1, min(triton.cdiv(programs_wanted, column_programs), k // (4 * block_k)))
-    return block_n, block_k, 4, 4, split_k
+    return LaunchConfig(block_n, block_k, 4, 4, split_k)
 
 
 @functools.cache
@@ -99,10 +129,15 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def block_rows(m: int) -> int:
+    """The tile's rows for M activation rows: `tl.dot` needs at least 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def fp8_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                    config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                    config: tuple | None = None) -> torch.Tensor:
     """x [M, K] (16-bit, M <= LARGEST_BLOCK_M) @ (scale * weight [N, K] e4m3)^T (+ bias [N]) -> [M, N] in x's dtype;
-    `scale` a one-element fp32 tensor; `config` (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) in place of
+    `scale` a one-element fp32 tensor; `config` a `LaunchConfig` (or its fields as a tuple) in place of
     `launch_config`'s."""
     m, k = x.shape
     n = weight.shape[0]
@@ -116,18 +151,20 @@ def fp8_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = max(16, triton.next_power_of_2(m))
-    block_n, block_k, warps, stages, split_k = config or launch_config(block_m, n, k, _programs_wanted(x.device))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)  # no empty run
-    target = out if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    block_m = block_rows(m)
+    tiling = LaunchConfig(*config) if config is not None else launch_config(block_m, n, k,
+                                                                            _programs_wanted(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, tiling.split_k), tiling.block_k) * tiling.block_k
+    splits = triton.cdiv(k, k_per_split)  # no empty run
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     bias_arg = bias if bias is not None else scale
-    _fp8_rows_matmul_kernel[(triton.cdiv(n, block_n), split_k)](
+    _fp8_rows_matmul_kernel[(triton.cdiv(n, tiling.block_n), splits)](
         x, weight, scale, bias_arg, target, m, n, k, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, WIDE=INTERPRETED, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    if split_k > 1:
+        HAS_BIAS=bias is not None, WIDE=INTERPRETED, ONE_SPLIT=splits == 1, WEIGHT_FIRST=tiling.weight_first,
+        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.warps,
+        num_stages=tiling.stages)
+    if splits > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, scale, bias_arg, out, m, n, out.stride(0),
-                                                          HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, scale, bias_arg, out, m, n, splits, out.stride(0),
+                                                          HAS_BIAS=bias is not None, BLOCK=block)
     return out

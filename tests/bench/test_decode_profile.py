@@ -13,6 +13,7 @@ from trl_turbo.bench.decode_profile import (
     OTHER,
     classify,
     decode_kernels,
+    decode_wall_s,
     format_profile,
     kernel_totals,
     summarize,
@@ -87,6 +88,20 @@ def test_the_decode_steps_are_the_whole_generation_less_its_first_token():
     prefill = [("flash_fwd_splitkv", 300.0, 4), ("nvjet_gemm", 1000.0, 30), ("prefill_only_kernel", 50.0, 1)]
     decode = decode_kernels(whole, prefill)
     assert decode == [("flash_fwd_splitkv", 600.0, 36), ("nvjet_gemm", 4000.0, 270), ("rms_norm", 30.0, 12)]
+
+
+def test_the_decode_wall_time_is_the_fastest_whole_run_less_the_fastest_first_token_run():
+    # a 0.3 s host stall in one one-token run and one whole run: neither moves the difference
+    times = {128: iter([1.0, 1.3, 1.0]), 1: iter([0.4, 0.7, 0.4])}
+    calls = []
+
+    def generate(max_tokens):
+        calls.append(max_tokens)
+        return next(times[max_tokens])
+
+    assert decode_wall_s(generate, 128) == pytest.approx(0.6)
+    assert calls == [128, 128, 128, 1, 1, 1]
+    assert decode_wall_s(lambda max_tokens: 1.0, 128) == 0.0  # never negative
 
 
 def test_kernels_not_launched_a_whole_number_of_times_per_step_are_named():

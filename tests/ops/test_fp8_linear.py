@@ -145,3 +145,12 @@ def test_larger_batches_are_w8a8_with_rows_quantized_as_vllm_does():
     emulated = rows @ (weight.float() * scale).T + b.float()
     result = torch.ops.trl_turbo.fp8_linear(x, weight, scale, b)
     torch.testing.assert_close(result.float(), emulated, rtol=2**-7, atol=1e-3)
+
+
+def test_the_launchs_own_tiling_splits_k_into_runs_of_at_least_eight_tiles():
+    from trl_turbo.kernels.fp8_rows_matmul import launch_config
+
+    # Llama-3.1-8B's qkv, o, gate_up and down: the splits the tiling sweep found fastest at 8 rows
+    assert [launch_config(n, k).split_k for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == \
+        [4, 4, 4, 8]
+    assert launch_config(64, 512).split_k == 1  # K shorter than eight tiles is one run

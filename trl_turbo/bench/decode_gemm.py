@@ -94,7 +94,7 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
     fastest first (as many as `budget_s` allows)."""
     import torch
 
-    from ..kernels.fp8_rows_matmul import LaunchConfig, _programs_wanted, block_rows, fp8_rows_matmul, launch_config
+    from ..kernels.fp8_rows_matmul import LaunchConfig, fp8_rows_matmul, launch_config
     from ..ops.fp8_linear import _rowwise_fp8
     from ..ops.merge_fp8 import FP8_DTYPE
 
@@ -109,12 +109,13 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
     del bf16
     seconds["W8A8 torch._scaled_mm"] = graph_seconds_per_call(
         [lambda w=w: _rowwise_fp8(x, w, scale, None) for w in fp8])
-    default = launch_config(block_rows(rows), n, k, _programs_wanted(device))
+    default = launch_config(n, k)
+    most_programs = 16 * torch.cuda.get_device_properties(device).multi_processor_count
     seconds["turbo weight-only, default tiling"] = graph_seconds_per_call(
         [lambda w=w: fp8_rows_matmul(x, w, scale, config=default) for w in fp8])
     reference = x.float() @ (fp8[0].float() * scale).T
     started, sweep = time.monotonic(), []
-    for config in sweep_configs(n, k, 8 * _programs_wanted(device)):
+    for config in sweep_configs(n, k, most_programs):
         if time.monotonic() - started > budget_s:
             break
         try:
@@ -130,7 +131,7 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
         seconds["turbo weight-only, best tiling"] = timed[0]["seconds"]
     return {"seconds": seconds, "default_config": default._asdict(), "sweep": timed,
             "sweep_failed": [entry for entry in sweep if "error" in entry], "sweep_complete": len(sweep) ==
-            len(sweep_configs(n, k, 8 * _programs_wanted(device)))}
+            len(sweep_configs(n, k, most_programs))}
 
 
 def summarize(rows: list[dict[str, Any]], layers: int) -> dict[str, dict[str, float]]:

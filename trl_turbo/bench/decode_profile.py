@@ -4,14 +4,15 @@ Design decision: a profile of a whole GRPO generation would record millions of k
 a variant's measured steps, one short generation per batch size through the same engine in the same sampling mode
 (the adapter merged into the shared weights, written into the fp8 copy, or in vLLM's LoRA slots, as a training
 generation has it; stock's engine woken and synced as TRL does): first to warm up (CUDA graphs of that batch), then
-timed, then under torch's profiler with CUDA activity only (kernel durations; kernels replayed from CUDA graphs
-included). Each generation runs twice, for its whole length and for its first token only (the prefill), and the
-decode steps are the difference, in wall time and in each kernel's time, so long prompts put the decode steps at a
-long context without counting their prefill. TRL builds the engine for its own batch (`max_num_seqs`: a rank's
-micro-batch x steps per generation x T), so a larger probe batch runs in waves of that many sequences: a decode step
-is then one scheduler step of one wave, and the summary counts tokens x waves of them. Kernels are classed by name
-(`KERNEL_CLASSES`, first match wins); what a timed step spends outside every kernel is its gap (launch latency,
-synchronisation, host work between steps). Everything but `measure` and `probe` is pure and tested on CPU.
+timed (the fastest of three), then under torch's profiler with CUDA activity only (kernel durations; kernels replayed
+from CUDA graphs included). Each generation runs for its whole length and for its first token only (the prefill),
+each from an empty prefix cache, and the decode steps are the difference, in wall time and in each kernel's time, so
+long prompts put the decode steps at a long context without counting their prefill. TRL builds the engine for its own
+batch (`max_num_seqs`: a rank's micro-batch x steps per generation x T), so a larger probe batch runs in waves of
+that many sequences: a decode step is then one scheduler step of one wave, and the summary counts tokens x waves of
+them. Kernels are classed by name (`KERNEL_CLASSES`, first match wins); what a timed step spends outside every kernel
+is its gap (launch latency, synchronisation, host work between steps). Everything but `measure` and `probe` is pure
+and tested on CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 # Ordered: attention before GEMM (flash attention's split-KV kernels), GEMM before fp8 quantization (cutlass's
@@ -139,23 +140,38 @@ def sampling_engine(trainer: Any) -> Iterator[Any]:
         yield {} if state.merged is not None else {"lora_request": state.lora_request}
 
 
+WALL_REPEATS = 3
+
+
+def decode_wall_s(generate: Callable[[int], float], tokens: int, repeats: int = WALL_REPEATS) -> float:
+    """The wall time of a `tokens`-token generation's decode steps: the fastest of `repeats` whole generations less
+    the fastest of `repeats` one-token ones (a host stall in a single run would otherwise move the difference by
+    as much as the stall)."""
+    whole = min(generate(tokens) for _ in range(repeats))
+    first_token = min(generate(1) for _ in range(repeats))
+    return max(0.0, whole - first_token)
+
+
 def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 1,
             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The decode steps of one `tokens`-token generation of `prompts`: timed, then profiled, each as the whole
-    generation less its first token (`rounds`: the waves the engine runs the prompts in)."""
+    generation less its first token (`rounds`: the waves the engine runs the prompts in). Every generation starts
+    from an empty prefix cache, so each one's prefill is the same work and the difference leaves it out (a cache
+    that kept some of the prompts' pages would make that run's prefill shorter than the other's)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
 
     def generate(max_tokens: int) -> float:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, logprobs=0)
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False, **(extra or {}))
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
     generate(tokens)  # warm-up: this batch's CUDA graphs
-    wall_s = generate(tokens) - generate(1)
+    wall_s = decode_wall_s(generate, tokens)
     totals = []
     for max_tokens in (tokens, 1):
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
@@ -166,7 +182,7 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it in this one)")
     decode = decode_kernels(*totals)
     steps = (tokens - 1) * rounds
-    return {**summarize(decode, steps=steps, wall_s=max(0.0, wall_s)), "waves": rounds,
+    return {**summarize(decode, steps=steps, wall_s=wall_s), "waves": rounds,
             "uneven_kernels": uneven_kernels(decode, steps)}
 
 

@@ -60,10 +60,6 @@ OPTIONS: dict[str, EngineOption] = {
     # KV pages of 64 tokens instead of vLLM's 16: fewer, longer contiguous reads per page-table entry in attention
     "bf16-block-64": EngineOption({"block_size": 64}, reference="bf16"),
     "fp8-block-64": EngineOption({**FP8, "block_size": 64}, reference="fp8"),
-    # FA3 splits each sequence's KV over up to 32 programs in CUDA graphs and adds their partial results in a second
-    # kernel; one split leaves the combine out, where sequences x KV heads alone fill the GPU
-    "bf16-one-kv-split": EngineOption(env={"VLLM_FLASH_ATTN_MAX_NUM_SPLITS_FOR_CUDA_GRAPH": "1"}, reference="bf16"),
-    "fp8-one-kv-split": EngineOption(FP8, {"VLLM_FLASH_ATTN_MAX_NUM_SPLITS_FOR_CUDA_GRAPH": "1"}, reference="fp8"),
     "fp8-turbo-gemm": EngineOption({**FP8, **fp8_kernel.engine_arguments()}, reference="fp8", turbo_fp8_gemm=True),
 }
 GREEDY_PROMPTS = 8

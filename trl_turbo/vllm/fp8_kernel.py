@@ -12,8 +12,8 @@ Design decisions:
 - The op reads the layer's weight as vLLM keeps it (a [K, N] view of [N, K] e4m3 storage, whose rows trl_turbo's
   fp8 writer fills) and its one fp32 scale.
 - A candidate, not yet what training samples with: nothing in the run plan asks for it until it beats vLLM's W8A8
-  on the GPU (`bench engine-options --options fp8,fp8-turbo-gemm`; its first configuration took 2.1x vLLM's GEMM
-  time, docs/benchmarks.md).
+  on the GPU (`bench engine-options --options fp8,fp8-turbo-gemm`). Measured so far it has not: 1.56x vLLM's GEMM
+  time in the engine at 8 sequences, docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ def test_the_sweep_keeps_every_run_of_k_two_tiles_long_and_the_programs_bounded(
     splits = {config[4] for config in configs if config[1] == 128 and config[0] == 64}
     assert splits == {1, 2, 4, 8, 16}
     assert {config[4] for config in sweep_configs(4096, 384, 2112)} == {1}  # K too short to split
+    assert sweep_configs(4096, 4096, 2112) == configs  # the same order on every run
+    first_quarter = configs[:len(configs) // 4]  # what a budget cut short at a quarter has timed
+    assert {config[0] for config in first_quarter} == {64, 128} and {config[4] for config in first_quarter} > {1}
 
 
 def test_a_decode_steps_sum_counts_each_linear_once_per_layer_and_only_complete_row_counts():

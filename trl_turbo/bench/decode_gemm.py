@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +52,8 @@ def product_bytes(rows: int, n: int, k: int, weight_bytes: int) -> int:
 
 def sweep_configs(n: int, k: int, most_programs: int) -> list[tuple[int, int, int, int, int, bool]]:
     """The tilings tried: each tile shape, warps and stages, both operand orders, and K splits that keep every run at
-    least two tiles long and the programs under `most_programs`."""
+    least two tiles long and the programs under `most_programs`; in a fixed shuffled order, so that a sweep its
+    budget cuts short has still sampled every dimension."""
     configs = []
     for block_n, block_k, warps, stages, weight_first, split in itertools.product(
             SWEEP_BLOCK_N, SWEEP_BLOCK_K, SWEEP_WARPS, SWEEP_STAGES, (False, True), SWEEP_SPLITS):
@@ -59,6 +61,7 @@ def sweep_configs(n: int, k: int, most_programs: int) -> list[tuple[int, int, in
         if split > 1 and (k // split < 2 * block_k or programs > most_programs):
             continue
         configs.append((block_n, block_k, warps, stages, split, weight_first))
+    random.Random(0).shuffle(configs)
     return configs
 
 

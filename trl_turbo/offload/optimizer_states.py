@@ -183,13 +183,13 @@ class OptimizerStateOffload:
 
     def _states(self, params: Any) -> list[tuple[dict[str, Any], str]]:
         """Where the states of `params` that move are kept: (the parameter's state dict, the state's name) of each
-        tensor of at least `min_state_bytes` and more than one element (a step counter stays)."""
+        tensor of at least `min_state_bytes` (and not empty here) and more than one element (a step counter stays)."""
         found = []
         for param in params:
             state = self.optimizer.state.get(param, {})
             found += [(state, name) for name, value in state.items()
                       if isinstance(value, torch.Tensor) and value.numel() > 1
-                      and _nbytes(local_of(value)) >= self.min_state_bytes]
+                      and _nbytes(local_of(value)) >= max(1, self.min_state_bytes)]  # an empty shard stays
         return found
 
     def _copy_streams(self) -> _CopyStreams:
@@ -261,6 +261,7 @@ class _CopyStreams:
     and `on` the current stream)."""
 
     def __init__(self, device: torch.device | None) -> None:
+        self.device = device  # the compute stream waited for is this device's, whichever device is current
         self.fetch = torch.cuda.Stream(device) if device is not None else None
         self.send = torch.cuda.Stream(device) if device is not None else None
 
@@ -268,11 +269,11 @@ class _CopyStreams:
     def on(stream: torch.cuda.Stream | None) -> Any:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    @staticmethod
-    def wait(waiter: torch.cuda.Stream | None, waited: torch.cuda.Stream | None = None) -> None:
-        """`waiter`'s later work waits for the work queued so far on `waited` (default: the current stream)."""
+    def wait(self, waiter: torch.cuda.Stream | None, waited: torch.cuda.Stream | None = None) -> None:
+        """`waiter`'s later work waits for the work queued so far on `waited` (default: the device's current
+        stream)."""
         if waiter is not None:
-            waiter.wait_stream(waited if waited is not None else torch.cuda.current_stream())
+            waiter.wait_stream(waited if waited is not None else torch.cuda.current_stream(self.device))
 
     @staticmethod
     def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -283,10 +284,9 @@ class _CopyStreams:
         if event is not None:
             event.synchronize()
 
-    @staticmethod
-    def current_waits(event: torch.cuda.Event | None) -> None:
+    def current_waits(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
 
 class _StepTiming:

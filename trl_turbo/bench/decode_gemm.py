@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..kernels.fp8_rows_matmul import LaunchConfig
 from .results import DEFAULT_RESULTS_DIR
 
 L2_DEFEAT_BYTES = 512 << 20  # the weight copies one graph cycles over: ten times an H200's L2
@@ -50,7 +51,7 @@ def product_bytes(rows: int, n: int, k: int, weight_bytes: int) -> int:
     return n * k * weight_bytes + 2 * rows * k + 2 * rows * n
 
 
-def sweep_configs(n: int, k: int, most_programs: int) -> list[tuple[int, int, int, int, int, bool]]:
+def sweep_configs(n: int, k: int, most_programs: int) -> list[LaunchConfig]:
     """The tilings tried: each tile shape, warps and stages, both operand orders, and K splits that keep every run at
     least two tiles long and the programs under `most_programs`; in a fixed shuffled order, so that a sweep its
     budget cuts short has still sampled every dimension."""
@@ -60,7 +61,7 @@ def sweep_configs(n: int, k: int, most_programs: int) -> list[tuple[int, int, in
         programs = -(-n // block_n) * split
         if split > 1 and (k // split < 2 * block_k or programs > most_programs):
             continue
-        configs.append((block_n, block_k, warps, stages, split, weight_first))
+        configs.append(LaunchConfig(block_n, block_k, warps, stages, split, weight_first))
     random.Random(0).shuffle(configs)
     return configs
 
@@ -97,7 +98,7 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
     fastest first (as many as `budget_s` allows)."""
     import torch
 
-    from ..kernels.fp8_rows_matmul import LaunchConfig, fp8_rows_matmul, launch_config
+    from ..kernels.fp8_rows_matmul import fp8_rows_matmul, launch_config
     from ..ops.fp8_linear import _rowwise_fp8
     from ..ops.merge_fp8 import FP8_DTYPE
 
@@ -117,8 +118,9 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
     seconds["turbo weight-only, default tiling"] = graph_seconds_per_call(
         [lambda w=w: fp8_rows_matmul(x, w, scale, config=default) for w in fp8])
     reference = x.float() @ (fp8[0].float() * scale).T
+    configs = sweep_configs(n, k, most_programs)
     started, sweep = time.monotonic(), []
-    for config in sweep_configs(n, k, most_programs):
+    for config in configs:
         if time.monotonic() - started > budget_s:
             break
         try:
@@ -126,15 +128,15 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
             per_call = graph_seconds_per_call([lambda w=w, c=config: fp8_rows_matmul(x, w, scale, config=c)
                                                for w in fp8])
         except Exception as failure:  # a tiling whose shared memory does not fit: the sweep goes on
-            sweep.append({"config": LaunchConfig(*config)._asdict(), "error": str(failure).splitlines()[0][:200]})
+            sweep.append({"config": config._asdict(), "error": str(failure).splitlines()[0][:200]})
             continue
-        sweep.append({"config": LaunchConfig(*config)._asdict(), "seconds": per_call, "max_abs_error": error})
+        sweep.append({"config": config._asdict(), "seconds": per_call, "max_abs_error": error})
     timed = sorted((entry for entry in sweep if "seconds" in entry), key=lambda entry: entry["seconds"])
     if timed:
         seconds["turbo weight-only, best tiling"] = timed[0]["seconds"]
     return {"seconds": seconds, "default_config": default._asdict(), "sweep": timed,
-            "sweep_failed": [entry for entry in sweep if "error" in entry], "sweep_complete": len(sweep) ==
-            len(sweep_configs(n, k, most_programs))}
+            "sweep_failed": [entry for entry in sweep if "error" in entry],
+            "sweep_complete": len(sweep) == len(configs)}
 
 
 def summarize(rows: list[dict[str, Any]], layers: int) -> dict[str, dict[str, float]]:
@@ -148,8 +150,7 @@ def summarize(rows: list[dict[str, Any]], layers: int) -> dict[str, dict[str, fl
             per_rows = totals.setdefault(row["rows"], {})
             per_rows[name] = per_rows.get(name, 0.0) + seconds * layers * 1e3
     linears = len({row["linear"] for row in rows})
-    return {str(rows_): {name: ms for name, ms in per.items()} for rows_, per in totals.items()
-            if counts[rows_] == linears}
+    return {str(rows_): per for rows_, per in totals.items() if counts[rows_] == linears}
 
 
 def run(args: argparse.Namespace) -> Path:

@@ -122,11 +122,6 @@ def launch_config(n: int, k: int) -> LaunchConfig:
     return LaunchConfig(64, block_k, 4, 3, split_k)
 
 
-def block_rows(m: int) -> int:
-    """The tile's rows for M activation rows: `tl.dot` needs at least 16."""
-    return max(16, triton.next_power_of_2(m))
-
-
 def fp8_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                     config: tuple | None = None) -> torch.Tensor:
     """x [M, K] (16-bit, M <= LARGEST_BLOCK_M) @ (scale * weight [N, K] e4m3)^T (+ bias [N]) -> [M, N] in x's dtype;
@@ -144,7 +139,7 @@ def fp8_rows_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = block_rows(m)
+    block_m = max(16, triton.next_power_of_2(m))  # `tl.dot` needs at least 16 rows
     tiling = LaunchConfig(*config) if config is not None else launch_config(n, k)
     k_per_split = triton.cdiv(triton.cdiv(k, tiling.split_k), tiling.block_k) * tiling.block_k
     splits = triton.cdiv(k, k_per_split)  # no empty run

@@ -98,6 +98,38 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     assert all(s.untyped_storage().nbytes() == 0 for s in _moving_states(fresh))
 
 
+def test_a_saved_state_is_a_copy_and_the_live_states_stay_on_the_host():
+    """`state_dict` neither brings the states back to the device nor hands out the live tensors: what it returned
+    keeps its values through later steps, which still follow the optimizer that never offloads."""
+    reference, reference_optimizer = _model_and_optimizer()
+    model, optimizer = _model_and_optimizer()
+    OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)
+    constant = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1) for o in (reference_optimizer, optimizer)]
+    _train(reference, reference_optimizer, constant[0], 2)
+    _train(model, optimizer, constant[1], 2)
+    saved, expected = optimizer.state_dict(), copy.deepcopy(reference_optimizer.state_dict())
+    assert all(s.untyped_storage().nbytes() == 0 for s in _moving_states(optimizer))  # still on the host
+    live = list(optimizer.state.values())
+    assert all(saved["state"][key] is not state for key, state in enumerate(live))  # new dicts, live ones untouched
+    _train(reference, reference_optimizer, constant[0], 2, seed=3)
+    _train(model, optimizer, constant[1], 2, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    for key, state in expected["state"].items():  # the moments of two steps ago, not emptied by the later steps
+        assert all(torch.equal(saved["state"][key][name], state[name]) for name in ("exp_avg", "exp_avg_sq"))
+    assert saved["state"][0]["step"] is live[0]["step"]  # what never moved is the live tensor, as torch returns it
+
+
+def test_an_optimizer_without_parameters_still_counts_its_steps():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    optimizer.param_groups[0]["params"] = []
+    OptimizerStateOffload(optimizer, pin=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" if the real step never ran
+        optimizer.step()
+        scheduler.step()
+
+
 def test_small_states_stay_on_the_device():
     model, optimizer = _model_and_optimizer()
     offload = OptimizerStateOffload(optimizer, pin=False, min_state_bytes=1024, host_chunk_bytes=1024)
@@ -206,6 +238,7 @@ import json, sys, warnings
 warnings.simplefilter("ignore")
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from trl_turbo.offload.optimizer_states import OptimizerStateOffload
 from trl_turbo.testing.models import tiny_model
@@ -229,13 +262,18 @@ def run(offload):
         optimizer.step()
         optimizer.zero_grad()
     params = [p.to_local().clone() for p in model.parameters()]
+    # the distributed checkpoint's whole-state gather reads the DTensor copies `state_dict` hands out
+    saved = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    moments = [v for s in saved["state"].values() for k, v in sorted(s.items()) if k != "step"]
     empty = all(v.to_local().untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values()
                 if v.numel() > 1)
-    return params, empty
+    return params, moments, empty
 
-reference, _ = run(False)
-params, empty = run(True)
-report = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "empty": empty}
+reference, reference_moments, _ = run(False)
+params, moments, empty = run(True)
+report = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "empty": empty,
+          "saved": len(moments) == len(reference_moments) > 0
+                   and all(torch.equal(a, b) for a, b in zip(moments, reference_moments))}
 with open(sys.argv[1] + f".{rank}", "w") as handle:
     json.dump(report, handle)
 leave_finished_process()
@@ -243,12 +281,13 @@ leave_finished_process()
 
 
 def test_fsdp2_shards_states_go_to_the_host_and_step_the_same(tmp_path):
-    """Two CPU processes (gloo), FSDP2: the states are DTensors; their local shards move, and the sharded parameters
-    after three steps equal the run that never offloads."""
+    """Two CPU processes (gloo), FSDP2: the states are DTensors; their local shards move, the sharded parameters
+    after three steps equal the run that never offloads, and so do the gathered states a checkpoint saves, while the
+    live ones stay on the host."""
     from trl_turbo.testing.multi_gpu import per_rank_reports
 
     for report in per_rank_reports(FSDP2_SCRIPT, tmp_path):
-        assert report == {"equal": True, "empty": True}
+        assert report == {"equal": True, "empty": True, "saved": True}
 
 
 @pytest.mark.gpu

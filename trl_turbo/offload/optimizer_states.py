@@ -8,8 +8,11 @@ Design decisions:
 - A state keeps its identity: its device storage is resized to nothing and back, with its values in pinned chunks
   of a `PinnedPool` (exact sizes; a pinned tensor of its own would be rounded up to a power of two). States under
   `MIN_STATE_BYTES` (norms, biases) stay on the device. FSDP2's states (DTensors) and plain tensors are moved alike,
-  through their local tensors, and the optimizer's `state_dict`/`load_state_dict`, which read and replace the dict,
-  keep working (a hook brings the states back first; loaded states are offloaded at the next step).
+  through their local tensors. `state_dict` returns copies of the offloaded states and leaves the live ones on the
+  host: a plain tensor's copy on the host (torch's `load_state_dict` moves each state to its parameter's device), a
+  DTensor's on the device (the distributed checkpoint's collectives read it there), so a checkpoint never leaves
+  every state on the device, and the next step never empties a tensor the caller still holds. `load_state_dict`
+  replaces the dict; the loaded states are offloaded at the next step.
 - A step walks the parameters in chunks of about `chunk_bytes` of states: the optimizer steps one chunk's parameters
   at a time (each parameter group narrowed to them for that call, its hyper-parameters untouched). Adam's update is
   per element, so stepping in chunks computes what one step computes. An optimizer stepped with a closure (which
@@ -82,7 +85,7 @@ class OptimizerStateOffload:
             step = types.MethodType(_offloaded_step, optimizer)
         registry.set_attr(optimizer, "step", step, weak=True)
         registry.set_attr(optimizer, INSTALLED_ATTRIBUTE, self, weak=True)
-        self._hooks = [optimizer.register_state_dict_pre_hook(lambda _optimizer: self.fetch_all()),
+        self._hooks = [optimizer.register_state_dict_post_hook(self._detached_state_dict),
                        optimizer.register_load_state_dict_post_hook(lambda _optimizer: self._forget())]
 
     @property
@@ -103,6 +106,8 @@ class OptimizerStateOffload:
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         chunks = list(self._chunks(everything))
+        if not chunks:  # no parameters: the optimizer's own step still runs (its hooks, a scheduler's count)
+            return self._step()
         streams.wait(streams.fetch, streams.send)  # the host copies the last step's sends wrote are complete
         sent: list[torch.cuda.Event | None] = []
         try:
@@ -137,7 +142,7 @@ class OptimizerStateOffload:
         return metrics
 
     def fetch_all(self) -> None:
-        """Every state back on the device (before `state_dict`, or a step with a closure), on the current stream."""
+        """Every state back on the device (for a step with a closure, or removal), on the current stream."""
         streams = self._copy_streams()
         streams.current_waits(streams.mark(streams.send))
         streams.current_waits(streams.mark(streams.fetch))  # a prefetch a failed step left running
@@ -154,6 +159,36 @@ class OptimizerStateOffload:
         self._pool.close()
 
     # ------------------------------------------------------------------------------------------------ internals
+    @torch.no_grad()
+    def _detached_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """`state_dict`'s per-parameter dicts are the optimizer's live ones: each that holds an offloaded state is
+        replaced by a new dict whose offloaded states are copies of their host values."""
+        streams = self._copy_streams()
+        streams.host_waits(streams.mark(streams.send))  # the host values are complete
+        streams.current_waits(streams.mark(streams.fetch))  # a prefetch a failed step left running
+        for index, holder in list(state_dict["state"].items()):
+            names = [name for name, value in holder.items()
+                     if isinstance(value, torch.Tensor) and local_of(value).untyped_storage().nbytes() == 0
+                     and (id(holder), name) in self._host]
+            if names:
+                state_dict["state"][index] = {**holder, **{name: self._copy_of(holder, name) for name in names}}
+        return state_dict
+
+    def _copy_of(self, holder: dict[str, Any], name: str) -> torch.Tensor:
+        """A new tensor with an offloaded state's values: on the host for a plain tensor, on the device (the same
+        DTensor layout) for a DTensor."""
+        value = holder[name]
+        local = local_of(value)
+        distributed = local is not value
+        copy = torch.empty(local.shape, dtype=local.dtype, device=local.device if distributed else "cpu")
+        self._host[(id(holder), name)].load(flat_bytes(copy), non_blocking=False)
+        if not distributed:
+            return copy
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+
     def _all_states(self) -> list[tuple[dict[str, Any], str]]:
         return self._states(p for group in self.optimizer.param_groups for p in group["params"])
 
@@ -254,6 +289,8 @@ class OptimizerStateOffload:
         with streams.on(stream):
             for local, blocks in arriving:
                 blocks.load(flat_bytes(local), non_blocking=self.pin)
+                if stream is not None:
+                    local.record_stream(stream)  # written on that stream: its memory is not reused before
 
 
 class _CopyStreams:

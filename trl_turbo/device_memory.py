@@ -24,9 +24,17 @@ _GIB = 2**30
 LAZY_KERNEL_BYTES = 256 * 2**20
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index: "cuda" (accelerate's device in a single process) is the current CUDA device, which a
+    tensor's `.device` always names with its index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _index(device: torch.device | str) -> int:
-    device = torch.device(device)  # torch reads the fraction of an indexed device only ("cuda" is the current one)
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return indexed(device).index  # torch reads the fraction of an indexed device only
 
 
 def _fraction(device: torch.device | str) -> float:

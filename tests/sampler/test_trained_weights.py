@@ -43,6 +43,25 @@ def test_fp32_masters_are_cast_into_a_bf16_engine_at_each_sync():
         assert torch.equal(regions[name], param.detach().to(torch.bfloat16))
 
 
+def test_the_training_device_without_an_index_is_the_current_one(monkeypatch):
+    """accelerate names a single process's device "cuda", tensors name theirs "cuda:0": the same device, so the
+    parameters become views rather than copies cast at every sync."""
+    from trl_turbo.device_memory import indexed
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed("cuda") == torch.device("cuda", 1) and indexed(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert indexed("cpu") == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_parameters_on_the_unindexed_training_device_become_views():
+    params = [(name, torch.nn.Parameter(param.detach().cuda())) for name, param in _params(torch.bfloat16)]
+    regions = {name: param.detach().clone() for name, param in params}
+    copies = share_trained_weights(params, regions, device=torch.device("cuda"))
+    assert copies.casts == [] and all(param.data_ptr() == regions[name].data_ptr() for name, param in params)
+
+
 def test_a_region_that_does_not_hold_the_parameter_is_refused():
     params = _params(torch.float32)
     regions = {name: param.detach().clone() for name, param in params}

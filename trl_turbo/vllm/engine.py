@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .. import registry
+from ..device_memory import indexed
 
 ADAPTER_PATH = "trl-turbo://in-memory-adapter"  # never read: ids from `TensorAdapters` are built from tensors
 
@@ -401,7 +402,7 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
         weight, target = frozen[view.hf_name], view_of(vllm_params[view.vllm_name], view)
         expected = home[view.hf_name]
         if expected.type == "cpu" and training_device is not None:
-            expected = torch.device(training_device)
+            expected = indexed(training_device)
         if target.dtype != weight.dtype or target.device != expected:
             raise LayoutMismatch(
                 f"{view.hf_name} is {weight.dtype} on {expected} in the training model but vLLM holds it as "

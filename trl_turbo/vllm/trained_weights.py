@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..device_memory import indexed
 from ..sharding.dtensor import byte_runs, local_of, wholes_of
 
 # Whole tensors gathered before one call of vLLM's loader: a batch is handed over once it reaches this size
@@ -93,8 +94,7 @@ def share_trained_weights(params: Sequence[tuple[str, torch.nn.Parameter]], regi
         if not torch.equal(region, expected):
             raise LayoutMismatch(f"{name}: vLLM's region differs from the training parameter after loading; "
                                  "refusing to share a layout that does not match.")
-        target_device = device or param.device
-        if region.dtype == param.dtype and region.device == torch.device(target_device):
+        if region.dtype == param.dtype and region.device == indexed(device or param.device):
             views.append((param, region))
         else:
             copies.casts.append((param, region))

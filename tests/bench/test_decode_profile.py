@@ -16,6 +16,9 @@ from trl_turbo.bench.decode_profile import (
     decode_wall_s,
     format_profile,
     kernel_totals,
+    measure,
+    prefill_steps,
+    short_tokens,
     summarize,
     uneven_kernels,
     waves,
@@ -82,25 +85,36 @@ def test_a_batch_larger_than_the_engine_takes_runs_in_waves():
     assert waves(64, 8) == 8 and waves(9, 8) == 2 and waves(8, 8) == 1 and waves(64, None) == 1
 
 
-def test_the_decode_steps_are_the_whole_generation_less_its_first_token():
-    whole = [("flash_fwd_splitkv", 900.0, 40), ("nvjet_gemm", 5000.0, 300), ("prefill_only_kernel", 50.0, 1),
+def test_the_decode_steps_are_the_whole_generation_less_a_shorter_one():
+    # the prefill's chunks (a mixed prefill GEMM, prefill attention) are in both runs and cancel
+    whole = [("flash_fwd_splitkv", 900.0, 40), ("nvjet_gemm", 5000.0, 300), ("prefill_mixed_gemm", 50.0, 3),
              ("rms_norm", 30.0, 12)]
-    prefill = [("flash_fwd_splitkv", 300.0, 4), ("nvjet_gemm", 1000.0, 30), ("prefill_only_kernel", 50.0, 1)]
-    decode = decode_kernels(whole, prefill)
-    assert decode == [("flash_fwd_splitkv", 600.0, 36), ("nvjet_gemm", 4000.0, 270), ("rms_norm", 30.0, 12)]
+    shorter = [("flash_fwd_splitkv", 500.0, 22), ("nvjet_gemm", 3000.0, 165), ("prefill_mixed_gemm", 50.0, 3)]
+    decode = decode_kernels(whole, shorter)
+    assert decode == [("flash_fwd_splitkv", 400.0, 18), ("nvjet_gemm", 2000.0, 135), ("rms_norm", 30.0, 12)]
 
 
-def test_the_decode_wall_time_is_the_fastest_whole_run_less_the_fastest_first_token_run():
-    # a 0.3 s host stall in one one-token run and one whole run: neither moves the difference
-    times = {128: iter([1.0, 1.3, 1.0]), 1: iter([0.4, 0.7, 0.4])}
+def test_the_measured_steps_are_the_last_half_and_must_come_after_the_prefill():
+    assert short_tokens(128) == 64 and short_tokens(1) == 1
+    assert prefill_steps(64, 1984, 16384) == 9  # 126,976 prompt tokens in 8 chunks, and one more
+    assert prefill_steps(8, 16, None) == 1
+    engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=2048)))
+    prompts = [{"prompt_token_ids": [3] * 1984}] * 64  # 62 chunks of 2048 tokens, and one more step
+    with pytest.raises(ValueError, match="takes up to 63 steps.*more than 126 tokens"):
+        measure(SimpleNamespace(llm_engine=engine), prompts, 120)
+
+
+def test_the_decode_wall_time_is_the_fastest_whole_run_less_the_fastest_short_run():
+    # a 0.3 s host stall in one short run and one whole run: neither moves the difference
+    times = {128: iter([1.0, 1.3, 1.0]), 64: iter([0.7, 1.0, 0.7])}
     calls = []
 
     def generate(max_tokens):
         calls.append(max_tokens)
         return next(times[max_tokens])
 
-    assert decode_wall_s(generate, 128) == pytest.approx(0.6)
-    assert calls == [128, 128, 128, 1, 1, 1]
+    assert decode_wall_s(generate, 128) == pytest.approx(0.3)
+    assert calls == [128, 128, 128, 64, 64, 64]
     assert decode_wall_s(lambda max_tokens: 1.0, 128) == 0.0  # never negative
 
 

@@ -5,9 +5,12 @@ a variant's measured steps, one short generation per batch size through the same
 (the adapter merged into the shared weights, written into the fp8 copy, or in vLLM's LoRA slots, as a training
 generation has it; stock's engine woken and synced as TRL does): first to warm up (CUDA graphs of that batch), then
 timed (the fastest of three), then under torch's profiler with CUDA activity only (kernel durations; kernels replayed
-from CUDA graphs included). Each generation runs for its whole length and for its first token only (the prefill),
-each from an empty prefix cache, and the decode steps are the difference, in wall time and in each kernel's time, so
-long prompts put the decode steps at a long context without counting their prefill. TRL builds the engine for its own
+from CUDA graphs included). Each generation runs for its whole length and for half of it, each from an empty prefix
+cache, and the decode steps are the difference (the second half's steps), in wall time and in each kernel's time, so
+long prompts put the decode steps at a long context without counting their prefill. Half, not the first token:
+vLLM's chunked prefill runs a long batch's prompts over several steps with the first sequences' decode rows mixed
+in, and a one-token run's prefill steps are not the whole generation's (other GEMM shapes, attention over other
+rows); two generations longer than the prefill steps share them exactly. TRL builds the engine for its own
 batch (`max_num_seqs`: a rank's micro-batch x steps per generation x T), so a larger probe batch runs in waves of
 that many sequences: a decode step is then one scheduler step of one wave, and the summary counts tokens x waves of
 them. Kernels are classed by name (`KERNEL_CLASSES`, first match wins); what a timed step spends outside every kernel
@@ -36,7 +39,7 @@ KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("memory", r"memcpy|memset|copy|cat_|index|gather|scatter|fill"),
 )
 OTHER = "other elementwise"
-PROBE_TOKENS = 128  # tokens each profiled generation samples
+PROBE_TOKENS = 128  # tokens each profiled generation samples; its second half's decode steps are measured
 PROBE_CONTEXT = 16  # its prompts' default length: short, so attention reads little
 TOP = 4  # kernels listed per class, the longest first
 _PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES)
@@ -98,23 +101,36 @@ def kernel_totals(profiler: Any) -> list[tuple[str, float, int]]:
     return totals
 
 
+def short_tokens(tokens: int) -> int:
+    """The length of the shorter generation whose steps are subtracted: the measured steps are the last half."""
+    return max(1, tokens // 2)
+
+
+def prefill_steps(sequences: int, prompt_len: int, max_batched_tokens: int | None) -> int:
+    """The scheduler steps a wave's prefill takes at most: its prompt tokens in chunks of the engine's token budget,
+    plus one for the decode rows that share a chunk's budget (1: no budget known)."""
+    if not max_batched_tokens:
+        return 1
+    return -(-sequences * prompt_len // max_batched_tokens) + 1
+
+
 def decode_kernels(whole: Iterable[tuple[str, float, int]],
-                   prefill: Iterable[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
-    """Each kernel's (name, µs, launches) over a generation's decode steps: the whole generation's less its
-    first-token run's (the prefill), kernels the decode steps never ran dropped."""
-    first = {name: (us, launches) for name, us, launches in prefill}
+                   shorter: Iterable[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+    """Each kernel's (name, µs, launches) over the decode steps one generation has beyond a shorter one of the same
+    prompts (the prefill and the first steps, the same in both, cancel), kernels those steps never ran dropped."""
+    first = {name: (us, launches) for name, us, launches in shorter}
     decode = []
     for name, us, launches in whole:
-        prefill_us, prefill_launches = first.get(name, (0.0, 0))
-        if launches > prefill_launches:
-            decode.append((name, max(0.0, us - prefill_us), launches - prefill_launches))
+        shorter_us, shorter_launches = first.get(name, (0.0, 0))
+        if launches > shorter_launches:
+            decode.append((name, max(0.0, us - shorter_us), launches - shorter_launches))
     return decode
 
 
 def uneven_kernels(decode: Iterable[tuple[str, float, int]], steps: int) -> dict[str, float]:
     """ms per step of the decode kernels whose launches are not a whole number per step. Every decode step launches
-    the same kernels, so these are what the subtraction could not match: a prefill kernel whose name depends on the
-    rows it ran with (chunked prefill mixes decode rows in), charged to the decode steps."""
+    the same kernels, so these are what the subtraction could not match (a kernel whose name depends on the rows it
+    ran with, where the two generations' steps differed)."""
     return {name[:160]: us / 1e3 / max(1, steps) for name, us, launches in decode if launches % max(1, steps)}
 
 
@@ -144,20 +160,29 @@ WALL_REPEATS = 3
 
 
 def decode_wall_s(generate: Callable[[int], float], tokens: int, repeats: int = WALL_REPEATS) -> float:
-    """The wall time of a `tokens`-token generation's decode steps: the fastest of `repeats` whole generations less
-    the fastest of `repeats` one-token ones (a host stall in a single run would otherwise move the difference by
-    as much as the stall)."""
+    """The wall time of a `tokens`-token generation's last `tokens - short_tokens(tokens)` decode steps: the fastest
+    of `repeats` whole generations less the fastest of `repeats` short ones (a host stall in a single run would
+    otherwise move the difference by as much as the stall)."""
     whole = min(generate(tokens) for _ in range(repeats))
-    first_token = min(generate(1) for _ in range(repeats))
-    return max(0.0, whole - first_token)
+    short = min(generate(short_tokens(tokens)) for _ in range(repeats))
+    return max(0.0, whole - short)
 
 
 def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 1,
             extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The decode steps of one `tokens`-token generation of `prompts`: timed, then profiled, each as the whole
-    generation less its first token (`rounds`: the waves the engine runs the prompts in). Every generation starts
-    from an empty prefix cache, so each one's prefill is the same work and the difference leaves it out (a cache
-    that kept some of the prompts' pages would make that run's prefill shorter than the other's)."""
+    """The last half of the decode steps of one `tokens`-token generation of `prompts`: timed, then profiled, each as
+    the whole generation less one of `short_tokens(tokens)` (`rounds`: the waves the engine runs the prompts in).
+    Every generation starts from an empty prefix cache, so each one's prefill is the same work and the difference
+    leaves it out (a cache that kept some of the prompts' pages would make that run's prefill shorter than the
+    other's). Refused (ValueError) where the prefill's chunks would reach into the measured steps."""
+    short = short_tokens(tokens)
+    scheduler = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
+    per_wave = -(-len(prompts) // max(1, rounds))
+    chunks = prefill_steps(per_wave, len(prompts[0]["prompt_token_ids"]),
+                           getattr(scheduler, "max_num_batched_tokens", None))
+    if chunks >= short:
+        raise ValueError(f"the prefill of {per_wave} prompts takes up to {chunks} steps, not fewer than the "
+                         f"{short}-token generation subtracted: profile more than {2 * chunks} tokens")
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -173,7 +198,7 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
     generate(tokens)  # warm-up: this batch's CUDA graphs
     wall_s = decode_wall_s(generate, tokens)
     totals = []
-    for max_tokens in (tokens, 1):
+    for max_tokens in (tokens, short):
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
             generate(max_tokens)
         totals.append(kernel_totals(profiler))
@@ -181,7 +206,7 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
         raise RuntimeError("the profiler saw no GPU kernel: the engine runs in another process "
                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it in this one)")
     decode = decode_kernels(*totals)
-    steps = (tokens - 1) * rounds
+    steps = (tokens - short) * rounds
     return {**summarize(decode, steps=steps, wall_s=wall_s), "waves": rounds,
             "uneven_kernels": uneven_kernels(decode, steps)}
 

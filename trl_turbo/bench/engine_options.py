@@ -4,12 +4,12 @@ contexts, each against its decode step's byte floor, and whether it samples what
 Design decision: before trl_turbo builds its sampling engine differently (another fp8 GEMM, another attention
 backend), each candidate is measured alone: one vLLM engine per option, in a child process of its own (vLLM reads
 some kernel choices from the environment at import), on the same random-init checkpoint, with nothing of trl_turbo
-in the way. Each (batch, context) cell times the decode steps of one generation (the whole generation less its
-first token, `decode_profile.measure`, which also splits them by kernel class) and sets them against the step's floor
-(`planning.roofline`: the weights in the option's dtype plus the live KV cache, at the read bandwidth measured once
-per command). Each option also samples greedily on a fixed prompt set, so the driver reports how many tokens agree
-with its reference option's (the default kernels of the same precision), and how far apart the log-probs of the
-chosen tokens are up to each sequence's first divergence.
+in the way. Each (batch, context) cell times the last half of one generation's decode steps (the whole generation
+less one of half its length, `decode_profile.measure`, which also splits them by kernel class) and sets them against
+the same steps' floor (`planning.roofline`: the weights in the option's dtype plus the live KV cache, at the read
+bandwidth measured once per command). Each option also samples greedily on a fixed prompt set, so the driver
+reports how many tokens agree with its reference option's (the default kernels of the same precision), and how far
+apart the log-probs of the chosen tokens are up to each sequence's first divergence.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from ..planning.roofline import Generation, decode_bytes
 from ..vllm import fp8_kernel
-from .decode_profile import format_profile, measure, probe_prompts
+from .decode_profile import format_profile, measure, probe_prompts, short_tokens
 from .gpu_children import child_main, run_jobs, save_row
 from .results import DEFAULT_RESULTS_DIR
 from .roofline import shape_spec
@@ -68,11 +68,15 @@ GREEDY_TOKENS = 64
 
 def step_floor_s(spec: Any, option: EngineOption, batch: int, context: int, tokens: int,
                  read_bytes_per_s: float) -> float:
-    """The floor of one decode step of a `tokens`-token generation after prompts of `context` tokens, `batch`
-    sequences: the generation's decode bytes (`planning.roofline`) over its decode steps."""
-    generation = Generation(sequences=batch, prompt_len=context, completion_len=tokens,
-                            weight_dtype=option.weight_dtype, kv_bytes=option.kv_bytes)
-    return decode_bytes(spec, generation) / max(1, tokens - 1) / read_bytes_per_s
+    """The floor of one of the decode steps `decode_profile.measure` times in a `tokens`-token generation after
+    prompts of `context` tokens, `batch` sequences: the bytes the whole generation's decode steps read
+    (`planning.roofline`) less the shorter generation's, over the steps between."""
+    def read(completion_len: int) -> float:
+        return decode_bytes(spec, Generation(sequences=batch, prompt_len=context, completion_len=completion_len,
+                                             weight_dtype=option.weight_dtype, kv_bytes=option.kv_bytes))
+
+    short = short_tokens(tokens)
+    return (read(tokens) - read(short)) / max(1, tokens - short) / read_bytes_per_s
 
 
 def chosen(completion: Any) -> dict[str, Any]:

@@ -14,7 +14,13 @@ from helpers import checkpointed_grads, decoder_model, token_batch
 import trl_turbo
 from trl_turbo.offload import CheckpointOffloader
 from trl_turbo.offload.install import CheckpointingRuntime, install_runtime, memory_planner, runtime_of
-from trl_turbo.offload.memory_plan import LayerPlan, describe_plan, plan_layers, plan_metrics
+from trl_turbo.offload.memory_plan import (
+    LayerPlan,
+    describe_plan,
+    head_weight_gradient_bytes,
+    plan_layers,
+    plan_metrics,
+)
 from trl_turbo.testing import parity
 from trl_turbo.testing.models import tiny_model
 from trl_turbo.testing.tokenizer import VOCAB
@@ -110,6 +116,21 @@ def _planned(free_bytes, offload=True, layers=6):
     return model, planner
 
 
+def test_a_trained_lm_head_reserves_its_weight_gradient():
+    """The fused loss accumulates the LM head's weight gradient in fp32 and returns it in 16 bits, at the backward's
+    start: a full fine-tuning's planner keeps room for both, a LoRA run's (its head frozen) none."""
+    model = _model()
+    head = model.get_output_embeddings().weight
+    planner = memory_planner(model, can_offload=True)
+    assert planner.head_gradient_bytes == head.numel() * (4 + 2) == head_weight_gradient_bytes(*head.shape)
+    head.requires_grad_(False)
+    assert memory_planner(model, can_offload=True).head_gradient_bytes == 0
+    planner.budget = lambda device: (1 << 40, 0, FAKE_CAPACITY)
+    margin = planner._budget(torch.device("cpu"))[2]
+    planner.head_gradient_bytes = 0
+    assert margin - planner._budget(torch.device("cpu"))[2] == head.numel() * 6  # kept free besides the margin
+
+
 @pytest.mark.parametrize(("free_bytes", "offload", "expected"), [
     (1 << 40, True, (0, 0, 5)),  # everything fits: no recompute anywhere
     (0, True, (5, 0, 0)),  # nothing fits: every other layer offloaded
@@ -124,12 +145,12 @@ def test_plans_follow_the_budget_and_gradients_stay_exact(free_bytes, offload, e
         _grads(probe, token_batch())
         measured = probe_planner.take_step_plans()[0]
         # margin floor, layer 0, its recompute, the head's four fp32 hidden states (this model is fp32), two inputs
-        # in flight to the host, two kept layers and one input on the device, and the gradients of every weight (this
-        # model trains them all), which its backward allocates
+        # in flight to the host, two kept layers and one input on the device, the gradients of every weight (this
+        # model trains them all), which its backward allocates, and the LM head's weight gradient as the loss makes it
         head = 4 * measured.input_bytes
         gradients = sum(p.numel() * p.element_size() for p in probe.parameters() if p.requires_grad)
         free_bytes = ((1 << 30) + 2 * measured.layer_bytes + head + 2 * measured.input_bytes
-                      + 2 * measured.layer_bytes + measured.input_bytes + gradients)
+                      + 2 * measured.layer_bytes + measured.input_bytes + gradients + probe_planner.head_gradient_bytes)
     model, planner = _planned(free_bytes, offload)
     model.load_state_dict(reference_model.state_dict())
     turbo_loss, turbo_grads = _grads(model, token_batch())
@@ -150,8 +171,10 @@ def test_a_missed_prediction_widens_the_reserve_of_later_plans():
     _grads(model, token_batch())
     first = planner.take_step_plans()[0]
     assert first.kept == 5
-    # the gradients the step's backward allocated were reserved apart: not part of the excess
+    # the gradients the step's backward allocated, and the LM head's as the loss makes it, were reserved apart: not
+    # part of the excess
     gradients = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    gradients += planner.head_gradient_bytes
     message = planner.observe_peak([first], first.predicted_peak_bytes + (1 << 40))
     assert "exceeded the prediction" in message and planner.extra_reserve_bytes == (1 << 40) - gradients
     assert planner.observe_peak([first], 0) is None  # no second warning, no re-plan without a new excess

@@ -22,7 +22,7 @@ from ..families import DECODER_LAYER_CLASSES, LLAMA_NORM_CLASSES
 from ..sharding.fsdp_modules import own_class_name
 from .checkpoint import CheckpointOffloader, offloaded_checkpoint
 from .lean_norm import LeanRMSNormForward
-from .memory_plan import MemoryPlanner, planned_checkpoint
+from .memory_plan import MemoryPlanner, head_weight_gradient_bytes, planned_checkpoint
 from .tiled_mlp import TiledMLPForward
 
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -88,7 +88,22 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
     untiled = any(hasattr(layer, "post_feedforward_layernorm") for layer in layers)
     hidden_size, element_size = _layer_input(model)
     return MemoryPlanner(layer_count=len(layers), parameters=parameters, can_offload=can_offload,
-                         untiled_recompute=untiled, hidden_size=hidden_size, hidden_element_size=element_size)
+                         untiled_recompute=untiled, hidden_size=hidden_size, hidden_element_size=element_size,
+                         head_gradient_bytes=_head_gradient_bytes(model))
+
+
+def _head_gradient_bytes(model: torch.nn.Module) -> int:
+    """`head_weight_gradient_bytes` of `model`'s LM head where it trains (its whole weight: under FSDP2 the head is
+    gathered for the loss), else 0."""
+    try:
+        weight = getattr(model.get_output_embeddings(), "weight", None)
+    except (AttributeError, NotImplementedError):
+        weight = None
+    if not isinstance(weight, torch.Tensor) or not weight.requires_grad or weight.dim() != 2:
+        return 0
+    vocab_size, hidden_size = weight.shape  # a DTensor's shape is whole
+    # returned in the compute dtype: 16 bits, fp32 masters included (FSDP2's mixed precision gathers them in bf16)
+    return head_weight_gradient_bytes(vocab_size, hidden_size, min(weight.element_size(), 2))
 
 
 def _layer_input(model: torch.nn.Module) -> tuple[int, int]:

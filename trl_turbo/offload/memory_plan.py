@@ -96,6 +96,13 @@ def head_bytes_per_token(hidden_size: int) -> int:
     return HEAD_HIDDEN_STATES * hidden_size * 4
 
 
+def head_weight_gradient_bytes(vocab_size: int, hidden_size: int, element_size: int = 2) -> int:
+    """A trained LM head's weight gradient at the backward's start, where the peak is: the fused loss (trl_turbo's
+    and TRL's alike) accumulates it in fp32 over the micro-batch's tokens and returns it in the weight's dtype, and
+    both exist until autograd adds it to `.grad` (full fine-tuning; a LoRA run's head is frozen: nothing)."""
+    return vocab_size * hidden_size * (4 + element_size)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """How the checkpointed decoder layers of one forward run, in layer order: the first `offloaded` layers offload
@@ -304,6 +311,7 @@ class MemoryPlanner:
     step_plans: list[LayerPlan] = field(default_factory=list)
     warned: bool = False
     sharded_reserve: int | None = None  # `_sharded_reserve`, once the model is sharded
+    head_gradient_bytes: int = 0  # `head_weight_gradient_bytes` where the LM head trains
     unborn_gradient_bytes: int = 0  # the most `_unborn_gradient_bytes` reserved since the last `observe_peak`
 
     def _budget(self, device: torch.device) -> tuple[int, int, int] | None:
@@ -311,7 +319,7 @@ class MemoryPlanner:
         Under a ceiling: the smaller of the device's and the ceiling's budgets, each less its own margin."""
         unborn = self._unborn_gradient_bytes()
         self.unborn_gradient_bytes = max(self.unborn_gradient_bytes, unborn)
-        reserve = self.extra_reserve_bytes + self._sharded_reserve() + unborn
+        reserve = self.extra_reserve_bytes + self._sharded_reserve() + unborn + self.head_gradient_bytes
         if self.budget is not None:
             free, allocated, total = self.budget(device)
             return free, allocated, reserve_margin(total, reserve)
@@ -445,8 +453,9 @@ class MemoryPlanner:
         if predicted < 0 or not any(p.kept_layers for p in plans):
             return None
         # under FSDP2 the peak also holds the gathered layers and root parameters the sharded reserve keeps room
-        # for, and the step's backward allocated the gradients reserved apart: not a miss of the activations' plan
-        excess = peak_bytes - predicted - (self.sharded_reserve or 0) - unborn
+        # for, and the step's backward allocated the gradients and the LM head's gradient reserved apart: not a miss
+        # of the activations' plan
+        excess = peak_bytes - predicted - (self.sharded_reserve or 0) - unborn - self.head_gradient_bytes
         if excess <= 0:
             return None
         self.extra_reserve_bytes += excess

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import MemoryPlanMode, SamplingMode, Settings
 from ..distributed import Strategy, detect_strategy
-from ..offload.memory_plan import gathered_bytes, sharded_reserve_bytes
+from ..offload.memory_plan import gathered_bytes, head_weight_gradient_bytes, sharded_reserve_bytes
 from ..run_plan import RunPlan
 from ..run_plan import forecast as forecast_plan
 from ..vllm.engine_plan import EngineFacts
@@ -276,7 +276,9 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
                                static_bytes=static + optimizer + gradients + engine_training + gathered,
                                quantized_4bit=quantized_4bit,
                                generation_bytes=phases[-1].device_bytes if standby and phases else None,
-                               sharded_reserve=sharded_reserve)
+                               sharded_reserve=sharded_reserve,
+                               head_gradient_bytes=head_weight_gradient_bytes(spec.vocab_size, spec.hidden_size)
+                               if full else 0)
     phases.append(Phase("training", training.peak_bytes, training.host_bytes + host_engine + host_optimizer,
                         {"weights": weights, "adapter": adapter, "optimizer": optimizer,
                          **({"gradients": gradients} if gradients else {}),
@@ -305,7 +307,8 @@ def fsdp2_layout(args: Any) -> tuple[int, int]:
 
 def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, completion: int, prompt_tokens: int,
                     capacity_bytes: int, static_bytes: int, quantized_4bit: bool,
-                    generation_bytes: int | None, sharded_reserve: int = 0) -> TrainingForecast:
+                    generation_bytes: int | None, sharded_reserve: int = 0,
+                    head_gradient_bytes: int = 0) -> TrainingForecast:
     """The training phase under the plan's memory policy (stock: `plan` None), its ceiling the user's
     `turbo_training_memory_gib`, else in standby the generation's footprint as the device counts it (the run reads
     it device-wide, its context included)."""
@@ -321,7 +324,8 @@ def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, complet
         group = forecast_training(
             spec, MicroBatch(rows, batch.sequence_tokens), mode=MemoryPlanMode.OFF, capacity_bytes=capacity_bytes,
             static_bytes=static_bytes, quantized_4bit=quantized_4bit,
-            gradient_checkpointing=bool(_field(args, "gradient_checkpointing")))
+            gradient_checkpointing=bool(_field(args, "gradient_checkpointing")),
+            head_gradient_bytes=head_gradient_bytes)
         return replace(group, group_sequences=rows, groups=groups)
     return forecast_training(
         spec, batch,
@@ -330,7 +334,7 @@ def _training_phase(args: Any, spec: ModelSpec, plan: RunPlan | None, *, complet
         forward_token_budget=plan.memory.forward_token_budget if plan is not None else None,
         tiled_mlp_tokens=plan.memory.tiled_mlp_tokens if plan is not None else None,
         gradient_checkpointing=bool(_field(args, "gradient_checkpointing")), ceiling_bytes=ceiling,
-        sharded_reserve=sharded_reserve)
+        sharded_reserve=sharded_reserve, head_gradient_bytes=head_gradient_bytes)
 
 
 def longest_completion(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capacity_bytes: int | None = None,

@@ -98,18 +98,25 @@ def token_groups(batch: MicroBatch, budget: int | None) -> tuple[int, int]:
 def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity_bytes: int, static_bytes: int,
                       quantized_4bit: bool = False, forward_token_budget: int | None = 32768,
                       tiled_mlp_tokens: int | None = 16384, gradient_checkpointing: bool = True,
-                      ceiling_bytes: int | None = None, sharded_reserve: int = 0) -> TrainingForecast:
+                      ceiling_bytes: int | None = None, sharded_reserve: int = 0,
+                      head_gradient_bytes: int = 0) -> TrainingForecast:
     """The micro-step peak under `mode` ("off": stock TRL, "min", "auto") for a device of `capacity_bytes` holding
     `static_bytes` (weights and adapter) when training starts; `ceiling_bytes` caps "auto" (standby's generation
     footprint, or the user's `turbo_training_memory_gib`); `tiled_mlp_tokens` None: the MLP is not tiled;
-    `sharded_reserve`: what "auto" keeps free besides its margin under FSDP2 (`memory_plan.sharded_reserve_bytes`)."""
+    `sharded_reserve`: what "auto" keeps free besides its margin under FSDP2 (`memory_plan.sharded_reserve_bytes`);
+    `head_gradient_bytes`: a trained LM head's weight gradient at the backward's start
+    (`memory_plan.head_weight_gradient_bytes`), kept free by "auto" and in every mode's peak."""
     unit = spec.hidden_size * ACTIVATION_BYTES  # one hidden-size tensor per token
     attention, mlp = layer_states(spec, quantized_4bit)
     adapter_grads = 4 * spec.lora_parameters
     if mode == MemoryPlanMode.OFF:
         tokens = batch.sequences * batch.sequence_tokens
-        per_token = (spec.layers + 2 * (attention + mlp)) if gradient_checkpointing else spec.layers * (attention + mlp)
-        peak = static_bytes + adapter_grads + int(per_token * unit * tokens)
+        if gradient_checkpointing:  # the layer inputs, then one layer's recompute, after the head's backward
+            saved = spec.layers * unit * tokens
+            later = max(int(2 * (attention + mlp) * unit * tokens), head_gradient_bytes)
+        else:
+            saved, later = int(spec.layers * (attention + mlp) * unit * tokens), head_gradient_bytes
+        peak = static_bytes + adapter_grads + saved + later
         return TrainingForecast(mode, peak, peak, batch.sequences, 1, None, 0)
 
     rows, groups = token_groups(batch, forward_token_budget)
@@ -122,7 +129,8 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         tile = forward_tokens if tiled_mlp_tokens is None else fitting_tile_tokens(
             tiled_mlp_tokens, forward_tokens, MLP_WORKING_TENSORS * spec.intermediate_size * ACTIVATION_BYTES, room)
         recompute = int(2 * (attention * forward_tokens + mlp * min(forward_tokens, tile)) * unit)
-        return static_bytes + adapter_grads + 2 * forward_tokens * unit + recompute
+        # the head's gradient is gone (added to `.grad`) before the first recompute
+        return static_bytes + adapter_grads + 2 * forward_tokens * unit + max(recompute, head_gradient_bytes)
 
     if mode == MemoryPlanMode.MIN:
         peak = frugal_peak(tokens)
@@ -135,7 +143,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     allocated = static_bytes + adapter_grads
     under_ceiling = None if ceiling_bytes is None else ceiling_bytes - CONTEXT_BYTES - allocated
     free, margin = spendable(capacity_bytes - CONTEXT_BYTES - allocated, under_ceiling, capacity_bytes,
-                             sharded_reserve)
+                             sharded_reserve + head_gradient_bytes)
 
     head_per_token = head_bytes_per_token(spec.hidden_size)
 
@@ -156,7 +164,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
         # keeping nothing (the first layer included) is the frugal plan, its MLPs tiled: "min"'s peak and the inputs
         # it parks on the device, not the planner's reserve for a kept plan's untiled recompute
         if layer_plan.kept_layers:
-            return layer_plan.predicted_peak_bytes
+            return layer_plan.predicted_peak_bytes + head_gradient_bytes
         return frugal_peak(layer_plan.tokens) + layer_plan.on_device * layer_plan.input_bytes
 
     return TrainingForecast("auto", peak(plan), peak(first_plan), steady_rows, steady_groups, plan, host)

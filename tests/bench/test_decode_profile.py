@@ -96,12 +96,17 @@ def test_the_decode_steps_are_the_whole_generation_less_a_shorter_one():
 
 def test_the_measured_steps_are_the_last_half_and_must_come_after_the_prefill():
     assert short_tokens(128) == 64 and short_tokens(1) == 1
-    assert prefill_steps(64, 1984, 16384) == 9  # 126,976 prompt tokens in 8 chunks, and one more
+    # 126,976 prompt tokens in chunks of 16384 less the 64 decode rows that may share a step: 8 steps, and one more
+    assert prefill_steps(64, 1984, 16384) == 9
+    assert prefill_steps(256, 496, 2048) == 72  # vLLM's scheduler takes 67 (the reviewer's simulation): a bound
     assert prefill_steps(8, 16, None) == 1
-    engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=2048)))
-    prompts = [{"prompt_token_ids": [3] * 1984}] * 64  # 62 chunks of 2048 tokens, and one more step
-    with pytest.raises(ValueError, match="takes up to 63 steps.*more than 126 tokens"):
-        measure(SimpleNamespace(llm_engine=engine), prompts, 120)
+    with pytest.raises(ValueError, match="cannot prefill"):
+        prefill_steps(64, 16, 64)
+    scheduler = SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=64)
+    engine = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
+    prompts = [{"prompt_token_ids": [3] * 1984}] * 128  # two waves of 64: 64 chunks of 1984 tokens, and one more
+    with pytest.raises(ValueError, match="64 prompts takes up to 65 steps.*at least 132 tokens"):
+        measure(SimpleNamespace(llm_engine=engine), prompts, 128, rounds=2)
 
 
 def test_the_decode_wall_time_is_the_fastest_whole_run_less_the_fastest_short_run():

@@ -119,6 +119,27 @@ def test_a_saved_state_is_a_copy_and_the_live_states_stay_on_the_host():
     assert saved["state"][0]["step"] is live[0]["step"]  # what never moved is the live tensor, as torch returns it
 
 
+def test_loaded_states_go_to_the_host_at_once_and_the_callers_tensors_are_never_emptied():
+    """torch's `load_state_dict` keeps the caller's tensors where no move is needed: they are read into host storage
+    when loaded, the optimizer holding empty tensors of its own, so later steps empty nothing the caller holds."""
+    reference, reference_optimizer = _model_and_optimizer()
+    model, optimizer = _model_and_optimizer()
+    OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64)
+    _train(reference, reference_optimizer, torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1), 2)
+    model.load_state_dict(reference.state_dict())
+    mine = copy.deepcopy(reference_optimizer.state_dict())
+    kept = copy.deepcopy(mine)
+    optimizer.load_state_dict(mine)
+    assert all(s.untyped_storage().nbytes() == 0 for s in _moving_states(optimizer))  # on the host already
+    assert optimizer.state_dict()["state"][0]["exp_avg"].equal(kept["state"][0]["exp_avg"])  # read back from it
+    _train(reference, reference_optimizer, torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: 1), 2,
+           seed=4)
+    _train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1), 2, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    for key, state in kept["state"].items():  # the caller's dict still holds what it loaded
+        assert all(torch.equal(mine["state"][key][name], value) for name, value in state.items() if name != "step")
+
+
 def test_an_optimizer_without_parameters_still_counts_its_steps():
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     optimizer.param_groups[0]["params"] = []
@@ -317,10 +338,9 @@ def test_overlapped_copies_on_side_streams_step_to_the_same_parameters_bit_for_b
     assert all(optimizer.state[p][name].untyped_storage().nbytes() == 0 for p in weights for name in ("exp_avg",
                                                                                                      "exp_avg_sq"))
     saved, expected = optimizer.state_dict(), reference_optimizer.state_dict()  # waits for the last sends
-    for key, state in expected["state"].items():  # the offloaded states' copies are on the host
-        assert all(torch.equal(saved["state"][key][name], value.to(saved["state"][key][name].device))
-                   for name, value in state.items())
-    assert saved["state"][0]["exp_avg"].device.type == "cpu"
+    for key, state in expected["state"].items():  # the moving states' copies are on the device, as stock's are
+        assert all(torch.equal(saved["state"][key][name], value) for name, value in state.items())
+    assert saved["state"][0]["exp_avg"].device.type == "cuda"
     assert all(optimizer.state[p]["exp_avg"].untyped_storage().nbytes() == 0 for p in weights)  # still away
 
 

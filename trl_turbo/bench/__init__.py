@@ -25,12 +25,11 @@ def fmt(value: float | None, spec: str) -> str:
 
 def resolve_device(name: str | None) -> torch.device:
     """``name`` as a device, or CUDA when available and CPU otherwise."""
+    from ..device_memory import indexed
+
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return indexed(name)
 
 
 def parse_lengths(text: str) -> list[int]:

@@ -108,10 +108,14 @@ def short_tokens(tokens: int) -> int:
 
 def prefill_steps(sequences: int, prompt_len: int, max_batched_tokens: int | None) -> int:
     """The scheduler steps a wave's prefill takes at most: its prompt tokens in chunks of the engine's token budget,
-    plus one for the decode rows that share a chunk's budget (1: no budget known)."""
+    each step's budget less one token for every sequence already decoding (at most all of them), and one more step
+    (1: no budget known; refused: a budget no larger than the wave)."""
     if not max_batched_tokens:
         return 1
-    return -(-sequences * prompt_len // max_batched_tokens) + 1
+    if max_batched_tokens <= sequences:
+        raise ValueError(f"a token budget of {max_batched_tokens} per step cannot prefill beside {sequences} "
+                         "decoding sequences")
+    return -(-sequences * prompt_len // (max_batched_tokens - sequences)) + 1
 
 
 def decode_kernels(whole: Iterable[tuple[str, float, int]],
@@ -177,12 +181,12 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
     other's). Refused (ValueError) where the prefill's chunks would reach into the measured steps."""
     short = short_tokens(tokens)
     scheduler = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
-    per_wave = -(-len(prompts) // max(1, rounds))
+    per_wave = min(len(prompts), getattr(scheduler, "max_num_seqs", None) or len(prompts))  # the first wave is full
     chunks = prefill_steps(per_wave, len(prompts[0]["prompt_token_ids"]),
                            getattr(scheduler, "max_num_batched_tokens", None))
     if chunks >= short:
         raise ValueError(f"the prefill of {per_wave} prompts takes up to {chunks} steps, not fewer than the "
-                         f"{short}-token generation subtracted: profile more than {2 * chunks} tokens")
+                         f"{short}-token generation subtracted: profile at least {2 * (chunks + 1)} tokens")
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams

@@ -8,11 +8,16 @@ Design decisions:
 - A state keeps its identity: its device storage is resized to nothing and back, with its values in pinned chunks
   of a `PinnedPool` (exact sizes; a pinned tensor of its own would be rounded up to a power of two). States under
   `MIN_STATE_BYTES` (norms, biases) stay on the device. FSDP2's states (DTensors) and plain tensors are moved alike,
-  through their local tensors. `state_dict` returns copies of the offloaded states and leaves the live ones on the
-  host: a plain tensor's copy on the host (torch's `load_state_dict` moves each state to its parameter's device), a
-  DTensor's on the device (the distributed checkpoint's collectives read it there), so a checkpoint never leaves
-  every state on the device, and the next step never empties a tensor the caller still holds. `load_state_dict`
-  replaces the dict; the loaded states are offloaded at the next step.
+  through their local tensors.
+- `state_dict` returns device copies of the moving states (of their host values, or clones where a failed step left
+  them on the device) and leaves the live ones on the host, so the next step never empties a tensor the caller
+  holds. The copies are what stock's `state_dict` returns: every state on the device, the same type (a DTensor's
+  layout kept: the distributed checkpoint's collectives read it there), here only while the caller holds the dict
+  (a checkpoint's save, after the step, when training holds no activations). Host copies would add the states'
+  size to pageable host memory beside the pinned one, where running out kills the process instead of raising.
+- `load_state_dict` takes the loaded values to the host at once, the optimizer then holding new empty tensors: the
+  device never holds the loaded states, and the caller's tensors (which torch keeps where no move was needed) are
+  never emptied.
 - A step walks the parameters in chunks of about `chunk_bytes` of states: the optimizer steps one chunk's parameters
   at a time (each parameter group narrowed to them for that call, its hyper-parameters untouched). Adam's update is
   per element, so stepping in chunks computes what one step computes. An optimizer stepped with a closure (which
@@ -86,7 +91,7 @@ class OptimizerStateOffload:
         registry.set_attr(optimizer, "step", step, weak=True)
         registry.set_attr(optimizer, INSTALLED_ATTRIBUTE, self, weak=True)
         self._hooks = [optimizer.register_state_dict_post_hook(self._detached_state_dict),
-                       optimizer.register_load_state_dict_post_hook(lambda _optimizer: self._forget())]
+                       optimizer.register_load_state_dict_post_hook(self._take_loaded)]
 
     @property
     def host_bytes(self) -> int:
@@ -111,7 +116,7 @@ class OptimizerStateOffload:
         streams.wait(streams.fetch, streams.send)  # the host copies the last step's sends wrote are complete
         sent: list[torch.cuda.Event | None] = []
         try:
-            arrived = self._prefetch(chunks[0], streams) if chunks else None
+            arrived = self._prefetch(chunks[0], streams)
             for index, chunk in enumerate(chunks):
                 streams.current_waits(arrived)
                 if index + 1 < len(chunks):
@@ -161,40 +166,52 @@ class OptimizerStateOffload:
     # ------------------------------------------------------------------------------------------------ internals
     @torch.no_grad()
     def _detached_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """`state_dict`'s per-parameter dicts are the optimizer's live ones: each that holds an offloaded state is
-        replaced by a new dict whose offloaded states are copies of their host values."""
+        """`state_dict`'s per-parameter dicts are the optimizer's live ones: each that holds a moving state is
+        replaced by a new dict whose moving states are device copies."""
         streams = self._copy_streams()
-        streams.host_waits(streams.mark(streams.send))  # the host values are complete
+        streams.current_waits(streams.mark(streams.send))  # the host values are complete
         streams.current_waits(streams.mark(streams.fetch))  # a prefetch a failed step left running
+        moving = {(id(holder), name) for holder, name in self._all_states()}
         for index, holder in list(state_dict["state"].items()):
-            names = [name for name, value in holder.items()
-                     if isinstance(value, torch.Tensor) and local_of(value).untyped_storage().nbytes() == 0
-                     and (id(holder), name) in self._host]
+            names = [name for name in holder if (id(holder), name) in moving]
             if names:
                 state_dict["state"][index] = {**holder, **{name: self._copy_of(holder, name) for name in names}}
         return state_dict
 
     def _copy_of(self, holder: dict[str, Any], name: str) -> torch.Tensor:
-        """A new tensor with an offloaded state's values: on the host for a plain tensor, on the device (the same
-        DTensor layout) for a DTensor."""
+        """A new device tensor (of the same type and DTensor layout) with a moving state's values."""
         value = holder[name]
         local = local_of(value)
-        distributed = local is not value
-        copy = torch.empty(local.shape, dtype=local.dtype, device=local.device if distributed else "cpu")
-        self._host[(id(holder), name)].load(flat_bytes(copy), non_blocking=False)
-        if not distributed:
-            return copy
-        from torch.distributed.tensor import DTensor
+        if local.untyped_storage().nbytes() != 0:  # on the device (a failed step's prefetch)
+            copy = local.clone(memory_format=torch.contiguous_format)
+        else:
+            copy = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+            self._host[(id(holder), name)].load(flat_bytes(copy), non_blocking=False)
+        return _same_kind(value, copy)
 
-        return DTensor.from_local(copy, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
+    @torch.no_grad()
+    def _take_loaded(self, _optimizer: torch.optim.Optimizer) -> None:
+        """After `load_state_dict`: the old host storage is released, each moving state's loaded values go to new
+        host storage, and the optimizer holds an empty tensor of the state's shape in its place."""
+        streams = self._copy_streams()
+        streams.host_waits(streams.mark(streams.send))  # no copy still writes into or reads from the old storage
+        streams.host_waits(streams.mark(streams.fetch))
+        self._forget()
+        for holder, name in self._all_states():
+            value = holder[name]
+            local = local_of(value)
+            blocks = self._pool.acquire(_nbytes(local))
+            blocks.store(flat_bytes(local.contiguous()), non_blocking=False)
+            empty = torch.empty_like(local, memory_format=torch.contiguous_format)
+            empty.untyped_storage().resize_(0)
+            holder[name] = _same_kind(value, empty)
+            self._host[(id(holder), name)], self._resident[(id(holder), name)] = blocks, holder[name]
 
     def _all_states(self) -> list[tuple[dict[str, Any], str]]:
         return self._states(p for group in self.optimizer.param_groups for p in group["params"])
 
     def _forget(self) -> None:
-        """After `load_state_dict`: the loaded states are new tensors on the device; the old host storage is free for
-        them."""
+        """Release every state's host storage (the states in the optimizer are no longer the ones it held)."""
         for blocks in self._host.values():
             self._pool.release(blocks)
         self._host.clear()
@@ -348,6 +365,16 @@ class _StepTiming:
             return self._end - self._start
         self._events[1].synchronize()
         return self._events[0].elapsed_time(self._events[1]) / 1000
+
+
+def _same_kind(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as `value` holds its values: itself for a plain tensor, else a DTensor of `value`'s layout."""
+    if local_of(value) is value:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
 
 
 def _owns_resizable_storage(tensor: torch.Tensor) -> bool:

@@ -259,7 +259,8 @@ import json, sys, warnings
 warnings.simplefilter("ignore")
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from trl_turbo.offload.optimizer_states import OptimizerStateOffload
 from trl_turbo.testing.models import tiny_model
@@ -268,7 +269,9 @@ from trl_turbo.testing.multi_gpu import leave_finished_process
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 
-def run(offload):
+FULL = StateDictOptions(full_state_dict=True)
+
+def sharded(offload):
     model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, intermediate_size=64, seed=0)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -276,6 +279,17 @@ def run(offload):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if offload:
         OptimizerStateOffload(optimizer, chunk_bytes=4096, pin=False, min_state_bytes=0, host_chunk_bytes=64)
+    return model, optimizer
+
+def moved_away(optimizer):
+    return all(v.to_local().untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values()
+               if v.numel() > 1)
+
+def moments_of(saved):
+    return [v for s in saved["state"].values() for k, v in sorted(s.items()) if k != "step"]
+
+def run(offload):
+    model, optimizer = sharded(offload)
     torch.manual_seed(1 + rank)
     for _ in range(3):
         ids = torch.randint(4, 64, (2, 12))
@@ -284,17 +298,19 @@ def run(offload):
         optimizer.zero_grad()
     params = [p.to_local().clone() for p in model.parameters()]
     # the distributed checkpoint's whole-state gather reads the DTensor copies `state_dict` hands out
-    saved = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    moments = [v for s in saved["state"].values() for k, v in sorted(s.items()) if k != "step"]
-    empty = all(v.to_local().untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values()
-                if v.numel() > 1)
-    return params, moments, empty
+    saved = get_optimizer_state_dict(model, optimizer, options=FULL)
+    return params, moments_of(saved), moved_away(optimizer), saved
 
-reference, reference_moments, _ = run(False)
-params, moments, empty = run(True)
+reference, reference_moments, _, _ = run(False)
+params, moments, empty, saved = run(True)
+# a whole checkpoint loaded into an offloaded optimizer: its shards go to the host as they load, and read back equal
+model, optimizer = sharded(True)
+set_optimizer_state_dict(model, optimizer, saved, options=FULL)
+loaded = moved_away(optimizer) and all(
+    torch.equal(a, b) for a, b in zip(moments_of(get_optimizer_state_dict(model, optimizer, options=FULL)), moments))
 report = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "empty": empty,
           "saved": len(moments) == len(reference_moments) > 0
-                   and all(torch.equal(a, b) for a, b in zip(moments, reference_moments))}
+                   and all(torch.equal(a, b) for a, b in zip(moments, reference_moments)), "loaded": loaded}
 with open(sys.argv[1] + f".{rank}", "w") as handle:
     json.dump(report, handle)
 leave_finished_process()
@@ -304,11 +320,11 @@ leave_finished_process()
 def test_fsdp2_shards_states_go_to_the_host_and_step_the_same(tmp_path):
     """Two CPU processes (gloo), FSDP2: the states are DTensors; their local shards move, the sharded parameters
     after three steps equal the run that never offloads, and so do the gathered states a checkpoint saves, while the
-    live ones stay on the host."""
+    live ones stay on the host; loaded back into an offloaded optimizer, they go to the host and read back equal."""
     from trl_turbo.testing.multi_gpu import per_rank_reports
 
     for report in per_rank_reports(FSDP2_SCRIPT, tmp_path):
-        assert report == {"equal": True, "empty": True, "saved": True}
+        assert report == {"equal": True, "empty": True, "saved": True, "loaded": True}
 
 
 @pytest.mark.gpu

@@ -95,11 +95,8 @@ def memory_planner(model: torch.nn.Module, can_offload: bool) -> MemoryPlanner:
 def _head_gradient_bytes(model: torch.nn.Module) -> int:
     """`head_weight_gradient_bytes` of `model`'s LM head where it trains (its whole weight: under FSDP2 the head is
     gathered for the loss), else 0."""
-    try:
-        weight = getattr(model.get_output_embeddings(), "weight", None)
-    except (AttributeError, NotImplementedError):
-        weight = None
-    if not isinstance(weight, torch.Tensor) or not weight.requires_grad or weight.dim() != 2:
+    weight = _embedding_weight(model, "get_output_embeddings")
+    if weight is None or not weight.requires_grad or weight.dim() != 2:
         return 0
     vocab_size, hidden_size = weight.shape  # a DTensor's shape is whole
     # returned in the compute dtype: 16 bits, fp32 masters included (FSDP2's mixed precision gathers them in bf16)
@@ -115,11 +112,18 @@ def _layer_input(model: torch.nn.Module) -> tuple[int, int]:
         hidden_size = int(getattr(text_config, "hidden_size", 0) or 0)
     except (AttributeError, ValueError, TypeError):
         hidden_size = 0
+    weight = _embedding_weight(model, "get_input_embeddings")
+    return hidden_size, weight.element_size() if weight is not None else 2
+
+
+def _embedding_weight(model: torch.nn.Module, getter: str) -> torch.Tensor | None:
+    """The weight of the embedding `model.<getter>()` returns (`get_input_embeddings`, `get_output_embeddings`), or
+    None where the model has none."""
     try:
-        weight = getattr(model.get_input_embeddings(), "weight", None)
+        weight = getattr(getattr(model, getter)(), "weight", None)
     except (AttributeError, NotImplementedError):
-        weight = None
-    return hidden_size, weight.element_size() if isinstance(weight, torch.Tensor) else 2
+        return None
+    return weight if isinstance(weight, torch.Tensor) else None
 
 
 RUNTIME_ATTRIBUTE = "_trl_turbo_checkpointing"

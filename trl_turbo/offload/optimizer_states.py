@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .. import registry
-from ..sharding.dtensor import local_of
+from ..sharding.dtensor import local_of, with_local
 from .pinned_pool import HostBlocks, PinnedPool, flat_bytes
 
 INSTALLED_ATTRIBUTE = "_trl_turbo_state_offload"
@@ -187,7 +187,7 @@ class OptimizerStateOffload:
         else:
             copy = torch.empty(local.shape, dtype=local.dtype, device=local.device)
             self._host[(id(holder), name)].load(flat_bytes(copy), non_blocking=False)
-        return _same_kind(value, copy)
+        return with_local(value, copy)
 
     @torch.no_grad()
     def _take_loaded(self, _optimizer: torch.optim.Optimizer) -> None:
@@ -204,7 +204,7 @@ class OptimizerStateOffload:
             blocks.store(flat_bytes(local.contiguous()), non_blocking=False)
             empty = torch.empty_like(local, memory_format=torch.contiguous_format)
             empty.untyped_storage().resize_(0)
-            holder[name] = _same_kind(value, empty)
+            holder[name] = with_local(value, empty)
             self._host[(id(holder), name)], self._resident[(id(holder), name)] = blocks, holder[name]
 
     def _all_states(self) -> list[tuple[dict[str, Any], str]]:
@@ -365,16 +365,6 @@ class _StepTiming:
             return self._end - self._start
         self._events[1].synchronize()
         return self._events[0].elapsed_time(self._events[1]) / 1000
-
-
-def _same_kind(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as `value` holds its values: itself for a plain tensor, else a DTensor of `value`'s layout."""
-    if local_of(value) is value:
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                              stride=value.stride())
 
 
 def _owns_resizable_storage(tensor: torch.Tensor) -> bool:

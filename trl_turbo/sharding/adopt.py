@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..vllm.weight_views import LayoutMismatch, hf_weight_name
+from .dtensor import with_local
 from .shard_placement import PlacementPlan, is_adapter_param, is_peft_copy
 from .tp_layout import TPLayout
 
@@ -80,12 +81,9 @@ def fsdp_params(model: nn.Module) -> dict[int, Any]:
 def adopt_storage(fsdp_param: Any, view: torch.Tensor) -> bool:
     """Make `view` (this rank's shard, of the padded shard size) the storage of `fsdp_param`'s sharded parameter;
     True when FSDP2 kept it (False: FSDP2 copied it into storage of its own)."""
-    from torch.distributed.tensor import DTensor
-
     info = fsdp_param._module_info
     old = getattr(info.module, info.param_name)
-    local = DTensor.from_local(view.detach(), old.device_mesh, old.placements, run_check=False,
-                               shape=old.shape, stride=old.stride())
+    local = with_local(old, view.detach())
     setattr(info.module, info.param_name, nn.Parameter(local, requires_grad=old.requires_grad))
     fsdp_param.reset_sharded_param()
     return fsdp_param._sharded_param_data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()

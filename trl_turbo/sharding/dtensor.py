@@ -18,6 +18,17 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` laid out as `like`: itself where `like` is a plain tensor, else a DTensor of `like`'s mesh,
+    placements, shape and stride whose local shard is `local` (the inverse of `local_of`)."""
+    if local_of(like) is like:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def whole_of(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (collective: every rank of its mesh calls it, in the same order), or the tensor."""
     full_tensor = getattr(tensor, "full_tensor", None)

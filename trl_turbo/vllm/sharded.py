@@ -27,6 +27,7 @@ import torch
 
 from .. import registry
 from ..sharding.adopt import ShardedSharing, ShardEngine, share_shards
+from ..sharding.dtensor import with_local
 from ..sharding.fsdp_modules import reshard_all
 from ..sharding.mesh_shape import device_mesh, hsdp_mesh
 from ..sharding.shard_placement import PlacementPlan, ShardPlacementFn, plan_model
@@ -149,8 +150,7 @@ class ShardedShare:
                         or local.shape != view.shape or local.dtype != view.dtype):
                     return sharded
                 view.copy_(local)
-                return dtensor.DTensor.from_local(view, sharded.device_mesh, sharded.placements, run_check=False,
-                                                  shape=sharded.shape, stride=sharded.stride())
+                return with_local(sharded, view)
 
             with registry.scoped(dtensor, "distribute_tensor", distribute_into_engine):
                 return load_full_state_dict(accelerator, model, full_sd, *args, **kwargs)

@@ -1,5 +1,5 @@
 """CLI entry point: ``python -m trl_turbo.bench <benchmark> ...`` (train, loss, e2e, engine-options, curves, is-gap,
-roofline, cpu-step, soak, table).
+roofline, cpu-step, soak, pinning, table).
 
 Design decision: one argparse program with a subcommand per benchmark; each subcommand module owns its arguments
 (``add_parser``) and its ``run``, so adding a benchmark touches only its module and this list.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import cpu_step, curves, decode_gemm, e2e, engine_options, is_gap, loss, results, roofline, soak, train
+from . import cpu_step, curves, decode_gemm, e2e, engine_options, is_gap, loss, pinning, results, roofline, soak, train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -26,6 +26,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     roofline.add_parser(subparsers)
     cpu_step.add_parser(subparsers)
     soak.add_parser(subparsers)
+    pinning.add_parser(subparsers)
     results.add_table_parser(subparsers)
     args = parser.parse_args(argv)
     args.func(args)

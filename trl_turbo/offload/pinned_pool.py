@@ -11,6 +11,10 @@ pool with a host floor also stops growing, with one warning, when the host's ava
 floor (other ranks, data workers or anything else on the host took it since the budget was set): that checkpoint
 stays on the device rather than the process risking the kernel's out-of-memory killer.
 
+A request's missing chunks are views of one allocation: registered with CUDA (`host_pinning`, several times
+faster to page-lock than torch's pinned allocator), or pageable with `pin=False`; torch's pinned allocator, a chunk
+at a time, only where registering fails.
+
 A chunk handed back after a host-to-device copy carries that copy's CUDA event. The next device-to-host copy into
 it waits for the event on its own stream, so reuse never blocks the host.
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..host_memory import available_host_bytes
+from .host_pinning import registered_bytes
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 
@@ -101,7 +106,7 @@ class PinnedPool:
         if missing and self._host_too_low(missing * self.chunk_bytes):
             return None
         chunks = [self._free.pop() for _ in range(needed - missing)]
-        chunks += [_Chunk(self._allocate()) for _ in range(missing)]
+        chunks += [_Chunk(tensor) for tensor in self._allocate(missing)] if missing else []
         self.allocated_bytes += missing * self.chunk_bytes
         return HostBlocks(chunks, nbytes)
 
@@ -135,23 +140,31 @@ class PinnedPool:
     def close(self) -> None:
         """Drop every unused chunk and return the allocator's free cached pinned blocks to the OS."""
         self.allocated_bytes -= self.free_bytes
-        self._free.clear()  # the allocator itself waits for copies still using a block before reusing it
+        self._free.clear()  # what frees a chunk's memory first waits for copies still using it
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
         if empty_host_cache is not None and torch.cuda.is_available():
             empty_host_cache()
 
-    def _allocate(self) -> torch.Tensor:
-        if self.pin:
-            try:
-                return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError as error:  # out of page-lockable memory: pageable still works, with blocking copies
-                if not self._warned:
-                    warnings.warn(
-                        f"trl_turbo: could not pin host memory for {self.purpose} after "
-                        f"{self.allocated_bytes / 2**30:.2f} GiB ({error}); using pageable memory, whose copies do "
-                        f"not overlap compute. {self.remedy}",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
-                    self._warned = True
+    def _allocate(self, count: int) -> list[torch.Tensor]:
+        """`count` new chunks, views of one allocation where it can be."""
+        if not self.pin:
+            return list(torch.empty(count * self.chunk_bytes, dtype=torch.uint8).split(self.chunk_bytes))
+        slab = registered_bytes(count * self.chunk_bytes)
+        if slab is not None:
+            return list(slab.split(self.chunk_bytes))
+        return [self._torch_pinned() for _ in range(count)]
+
+    def _torch_pinned(self) -> torch.Tensor:
+        try:
+            return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:  # out of page-lockable memory: pageable still works, with blocking copies
+            if not self._warned:
+                warnings.warn(
+                    f"trl_turbo: could not pin host memory for {self.purpose} after "
+                    f"{self.allocated_bytes / 2**30:.2f} GiB ({error}); using pageable memory, whose copies do "
+                    f"not overlap compute. {self.remedy}",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+                self._warned = True
         return torch.empty(self.chunk_bytes, dtype=torch.uint8)

@@ -203,8 +203,8 @@ class TurboFields:
         default="auto",
         metadata={
             "help": "How the shared-weight engine samples from the live adapter: 'merged' into the base weights, "
-            "'lora' through vLLM's LoRA layers, 'fp8' (opt-in) from an fp8 copy of the merged policy. 'auto' "
-            "(default): 'merged' where it can serve, else 'lora'. See docs/usage.md#sampling-modes."
+            "'lora' through vLLM's LoRA layers, 'fp8' (opt-in; also with full fine-tuning) from an fp8 copy of the "
+            "policy. 'auto' (default): 'merged' where it can serve, else 'lora'. See docs/usage.md#sampling-modes."
         },
     )
     turbo_rollout_check: str = field(

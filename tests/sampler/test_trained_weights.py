@@ -245,10 +245,12 @@ def test_a_generation_refreshes_copies_released_since_the_last_sync(monkeypatch)
     assert order == ["restore_weights", "restore_kv", "generate", "release"]
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("released", [True, False])
-def test_a_full_finetuning_sync_resets_the_prefix_cache_once(monkeypatch, released):
+def test_a_full_finetuning_sync_resets_the_prefix_cache_once(monkeypatch, released, fp8):
     """The sync writes the trained parameters without TRL's push, and drops blocks cached with the old weights: itself
-    when the KV cache is mapped, and through the standby's restore (which resets it) when it is released."""
+    when the KV cache is mapped, and through the standby's restore (which resets it) when it is released. With fp8
+    sampling too (its copy is written at the generation; the 16-bit copies still at the sync)."""
     import types
 
     from trl_turbo.patches import trl_vllm
@@ -262,6 +264,7 @@ def test_a_full_finetuning_sync_resets_the_prefix_cache_once(monkeypatch, releas
     state.full_finetuning = True
     state.standby = _Standby(released=released)
     state.weight_copies = WeightCopies(casts=[(master, engine)])
+    state.fp8 = object() if fp8 else None
     resets = []
     generation = types.SimpleNamespace(_trl_turbo_engine=state, llm=types.SimpleNamespace(
         reset_prefix_cache=lambda: resets.append(1)))

@@ -12,7 +12,8 @@ Seams, all methods of `VLLMGeneration`:
   the sampling mode and standby.
 - `sync_weights`: with shared weights the base never changes, so TRL's merge → push every weight → unmerge (which
   also drifts bf16 base weights) is replaced by handing vLLM the adapter's tensors ("lora" sampling) or by nothing
-  ("merged" and "fp8" sampling read the live adapter at each generation).
+  ("merged" and "fp8" sampling read the live adapter at each generation); under full fine-tuning by casting the
+  trained parameters vLLM keeps a copy of (none where they are its weights) and resetting the prefix cache.
 - `generate`: runs inside `session.generating` (adapter merged or quantized in, KV cache mapped, all put back however
   the generation ends); for "lora" sampling TRL's `llm.generate` call carries the adapter's `LoRARequest`.
 Timings and memory go to the trainer's metrics under `vllm/`.
@@ -102,14 +103,15 @@ def _wrap_sync_weights(original):
     def sync_weights(self):
         state = engine_state(self)
         start = time.perf_counter()
-        if state is not None and (state.merged is not None or state.fp8 is not None):
-            result = None  # the base never changes; the adapter is merged (or quantized in) at each generation
-        elif state is not None and state.full_finetuning:
-            # the trained parameters are vLLM's weights; those it keeps a copy of are cast (or loaded) in place
+        if state is not None and state.full_finetuning:
+            # the trained parameters are vLLM's weights; those it keeps a copy of are cast (or loaded) in place (an
+            # fp8 copy is written from them at the generation)
             engine_session.sync_trained_weights(state)
             if state.standby is None or not state.standby.released:  # a released standby resets it as it maps back
                 self.llm.reset_prefix_cache()
             result = None
+        elif state is not None and (state.merged is not None or state.fp8 is not None):
+            result = None  # the base never changes; the adapter is merged (or quantized in) at each generation
         elif state is None or state.adapters is None:
             result = original(self)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import MemoryPlanMode
+from ..config import MemoryPlanMode, SamplingMode
 from ..distributed import Strategy
 from ..offload.memory_plan import describe_plan
 from ..vllm.sharing import SharingMode
@@ -81,11 +81,13 @@ def _decisions(plan: Any, processes: int = 1, cast_copy: bool = False) -> list[s
                      + ("; each rank's FSDP2 shards are its vLLM slices (one copy)"
                         if engine is not None and engine.sharded and not cast_copy else ""))
     if engine is not None and engine.full_finetuning:
+        fp8 = engine.sampling is SamplingMode.FP8
         held = ("a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)" if cast_copy
-                else "the trained parameters themselves (no sync)")
+                else "the trained parameters themselves, its linear weights an fp8 copy of them written before each "
+                "generation" if fp8 else "the trained parameters themselves (no sync)")
+        released = " and the copy" if cast_copy else " and the fp8 copy" if fp8 else ""
         lines.append(f"vLLM: full fine-tuning, its weights {held}"
-                     + ("; KV cache and the copy released while training (standby)" if engine.standby and cast_copy
-                        else "; KV cache released while training (standby)" if engine.standby else ""))
+                     + (f"; KV cache{released} released while training (standby)" if engine.standby else ""))
     elif engine is not None and engine.sharing is not None:
         held = ("shared with the trainer" if engine.sharing.mode is SharingMode.SHARED
                 else f"a separate 16-bit copy ({'; '.join(engine.sharing.reasons)})")

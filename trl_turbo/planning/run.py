@@ -166,9 +166,13 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
     utilization = _field(args, "vllm_gpu_memory_utilization")
     standby = engine_plan is not None and engine_plan.standby
     budgeted = engine_plan is not None and (engine_plan.shares_weights or standby)  # trl_turbo sizes the KV cache
-    # full fine-tuning with shared weights: vLLM starts on a 16-bit copy of its own, which its budget leaves room for
-    start_copy = (spec.weight_bytes(quantized_4bit, nested_4bit=False) // tp_size
-                  if shared and engine_plan.full_finetuning else 0)
+    # full fine-tuning with shared weights: vLLM starts on a 16-bit copy of its own (with fp8 sampling, of all but
+    # the fp8 linear weights, counted above), which its budget leaves room for
+    start_copy = 0
+    if shared and engine_plan.full_finetuning:
+        start_copy = spec.weight_bytes(quantized_4bit, nested_4bit=False) // tp_size
+        if fp8:
+            start_copy -= 2 * spec.layer_linear_parameters // tp_size
     sized_by_trl = not (budgeted and utilization == _trl_default("vllm_gpu_memory_utilization"))
     if sized_by_trl:
         kv_cache = max(0, int(utilization * capacity_bytes) - weights - workspace)

@@ -423,17 +423,29 @@ def share_base_weights(llm: Any, peft_model: Any, parked: ParkedWeights | None =
     return shared
 
 
-def share_trained_parameters(llm: Any, model: torch.nn.Module, training_device: torch.device | None = None) -> Any:
-    """Full fine-tuning: load every parameter into vLLM, then make each one a view of its vLLM region where the
-    dtypes match (else it is cast there at each sync). Returns the `WeightCopies` a sync runs."""
-    from .trained_weights import share_trained_weights
-    from .weight_views import hf_weight_name, view_of
+def trained_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """A model trained whole: its parameters by plain HF name."""
+    from .weight_views import hf_weight_name
 
-    params = {hf_weight_name(name): param for name, param in model.named_parameters()}
-    _, vllm_params, views = plan_views(llm, model, weights=params)
-    load_weights(llm, hf_state_for_vllm(model))
-    regions = {view.hf_name: view_of(vllm_params[view.vllm_name], view) for view in views}
-    copies = share_trained_weights(list(params.items()), regions, device=training_device)
+    return {hf_weight_name(name): param for name, param in model.named_parameters()}
+
+
+def share_trained_parameters(llm: Any, model: torch.nn.Module, training_device: torch.device | None = None,
+                             fp8: Mapping[str, Any] | None = None) -> Any:
+    """Full fine-tuning: load every parameter into vLLM, then make each one a view of its vLLM region where the
+    dtypes match (else it is cast there at each sync). With `fp8` (vLLM's fp8 weights, `fp8_tensors`) the matrices
+    that fill them are neither loaded nor shared: `Fp8Sampling` writes them from the trained weights. Returns the
+    `WeightCopies` a sync runs."""
+    from .trained_weights import share_trained_weights
+    from .weight_views import view_of
+
+    params = trained_parameters(model)
+    _, vllm_params, views = plan_views(llm, model, fp8, weights=params)
+    kept = {view.hf_name for view in views if fp8 and view.vllm_name in fp8}
+    load_weights(llm, ((name, tensor) for name, tensor in hf_state_for_vllm(model) if name not in kept))
+    regions = {view.hf_name: view_of(vllm_params[view.vllm_name], view) for view in views if view.hf_name not in kept}
+    copies = share_trained_weights([(name, param) for name, param in params.items() if name not in kept], regions,
+                                   device=training_device)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return copies

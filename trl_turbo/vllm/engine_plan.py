@@ -166,9 +166,10 @@ def sampling_from(requested: SamplingMode, sharing: Sharing, facts: EngineFacts,
 
 def fp8_parking(facts: EngineFacts, shards: int = 1) -> tuple[bool, str | None]:
     """Whether fp8 sampling moves the training model's 16-bit linear weights to the host while vLLM samples: yes,
-    unless they are 4-bit (little to gain) or the pinned host copy does not fit (the reason). `shards`: each process
-    holds 1/shards of them (FSDP2's shards that are tensor-parallel slices)."""
-    if facts.four_bit:
+    unless they are trained (full fine-tuning: they change every step, a copy taken once would be stale), 4-bit
+    (little to gain), or the pinned host copy does not fit (the reason). `shards`: each process holds 1/shards of them
+    (FSDP2's shards that are tensor-parallel slices)."""
+    if facts.four_bit or not facts.has_adapter:
         return False, None
     problem = host_copy_problem(facts.linear_weight_bytes // shards, facts.processes_on_host, facts.host_bytes)
     return problem is None, problem
@@ -194,8 +195,14 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
             raise ValueError(f"`turbo_vllm_shared_weights=True` under FSDP2 shares tensor-parallel slices of 16-bit "
                              f"weights only, and this model cannot share them: {'; '.join(sharing.reasons)}. Set "
                              "`turbo_vllm_shared_weights=False` (TRL's weight sync), or train with DDP.")
-        sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts,
-                                           shards=shards) if facts.has_adapter else (None, [])
+        if facts.has_adapter:
+            sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts, shards=shards)
+        elif settings.vllm_sampling is SamplingMode.FP8:  # full fine-tuning: an fp8 copy of the trained weights
+            if sharded:
+                raise ValueError("`turbo_vllm_sampling='fp8'` with full fine-tuning writes the fp8 copy from whole "
+                                 "trained weights, one process per engine; under FSDP2 it samples the trained "
+                                 "shards in 16 bits. Leave `turbo_vllm_sampling='auto'`, or train with DDP.")
+            sampling = SamplingMode.FP8
         if sharded and sampling is SamplingMode.MERGED and unshared_adapted:
             sampling, problems = SamplingMode.LORA, [*problems, f"{len(unshared_adapted)} adapted weights keep a "
                                                      f"copy of their own in vLLM (e.g. {unshared_adapted[0]}), which "
@@ -322,8 +329,11 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     weight_bytes = _vllm_weight_bytes(model, sharing, sampling)
-    if not hasattr(model, "peft_config"):  # full fine-tuning: vLLM loads a 16-bit copy of every parameter
+    if not hasattr(model, "peft_config"):  # full fine-tuning: vLLM loads a copy of every parameter (16-bit; its
+        # quantized linear weights 1 byte each with fp8 sampling)
         weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+        if sampling == SamplingMode.FP8:
+            weight_bytes -= sum(m.weight.numel() * (2 - FP8_BYTES) for m in quantized_linear_modules(model))
     tp = max(1, int(getattr(generation, "tensor_parallel_size", 1) or 1))
     if tp > 1 or fsdp:
         # vLLM holds 1/T of the weights; under FSDP the model reaches the device only when training starts, as

@@ -1,6 +1,6 @@
-"""Sampling from a per-step fp8 copy of the merged policy: vLLM's linear layers hold e4m3 weights (one scale per
-tensor, vLLM's online fp8 layout), rewritten before each generation from the training model's base weights and the
-live adapter; the training model's weights are only read.
+"""Sampling from a per-step fp8 copy of the policy: vLLM's linear layers hold e4m3 weights (one scale per tensor,
+vLLM's online fp8 layout), rewritten before each generation from the training model's base weights and the live
+adapter, or under full fine-tuning from the trained weights themselves; the training model's weights are only read.
 
 Design decisions:
 - One pass over the model per generation, one fused sampler matrix at a time (`ops.merge_fp8`): W + scaling * B @ A
@@ -8,6 +8,9 @@ Design decisions:
   one fused matrix at a time (the only 16-bit scratch).
 - Nothing the trainer reads changes value: an interrupted generation leaves at worst a stale fp8 copy, which the
   next generation overwrites before sampling.
+- Full fine-tuning writes the same copy from the trained linear weights (no adapter), after each optimizer step:
+  the 16-bit embeddings, norms and LM head are vLLM's own tensors (shared as `trained_weights` shares them), the
+  linear weights stay the trainer's, and nothing is parked (they change every step: a host copy would be stale).
 - While vLLM samples from the fp8 copy, the training model's 16-bit linear weights are idle. With `park_base` they
   leave the device as soon as their fp8 matrix is written (the device never holds both copies of much) and come back
   after the generation from a pinned host copy taken once (exact by construction: the base never changes; 2 bytes
@@ -67,41 +70,48 @@ class _Matrix:
     shards: list[_Shard]
 
 
-def hf_linear_modules(peft_model: Any) -> dict[str, torch.nn.Module]:
-    """The frozen base Linear modules of a (PEFT-wrapped) HF model, by the plain HF name of their weight."""
+def hf_linear_modules(model: Any) -> dict[str, torch.nn.Module]:
+    """The Linear modules an fp8 copy is written from, by the plain HF name of their weight: a PEFT model's frozen
+    base layers, or every Linear of a model trained whole (no adapter)."""
     from peft.tuners.lora import LoraLayer
 
+    adapted = hasattr(model, "peft_config")
     modules = {}
-    for name, module in peft_model.named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not isinstance(module, LoraLayer) and "lora_" not in name:
-            if not module.weight.requires_grad:
+            if not adapted or not module.weight.requires_grad:
                 modules[hf_weight_name(f"{name}.weight")] = module
     return modules
 
 
-def quantized_linear_modules(peft_model: Any) -> list[torch.nn.Module]:
-    """The frozen Linear modules whose matrices vLLM's fp8 engine holds quantized: all but the LM head (16-bit)."""
-    head = peft_model.get_output_embeddings()
-    return [module for module in hf_linear_modules(peft_model).values() if module is not head]
+def quantized_linear_modules(model: Any) -> list[torch.nn.Module]:
+    """The Linear modules whose matrices vLLM's fp8 engine holds quantized: all but the LM head (16-bit)."""
+    head = model.get_output_embeddings()
+    return [module for module in hf_linear_modules(model).values() if module is not head]
 
 
 class Fp8Sampling:
-    """Writes vLLM's fp8 linear weights from the training model's base weights and live adapter (`write`)."""
+    """Writes vLLM's fp8 linear weights from the training model's base weights and live adapter, or from its trained
+    weights (`write`)."""
 
-    def __init__(self, peft_model: Any, adapter: str, fp8_tensors: Mapping[str, Fp8Tensor],
+    def __init__(self, peft_model: Any, adapter: str | None, fp8_tensors: Mapping[str, Fp8Tensor],
                  views: Sequence[SharedView], compute_dtype: torch.dtype, *, park_base: bool = False,
                  pin: bool | None = None) -> None:
-        """`fp8_tensors`: vLLM's fp8 weights by name; `views`: the plan's views onto them (HF weight -> rows);
+        """`adapter`: the live adapter's name (None: full fine-tuning, the model's own weights are the policy);
+        `fp8_tensors`: vLLM's fp8 weights by name; `views`: the plan's views onto them (HF weight -> rows);
         `park_base`: move the 16-bit base weights to the host while vLLM samples (see the module docstring)."""
+        if adapter is None and park_base:
+            raise ValueError("trained weights change every step: only a frozen base is parked")
         modules = hf_linear_modules(peft_model)
-        loras = {hf_weight_name(f"{t.name}.weight"): t for t in lora_targets(peft_model, adapter)}
+        loras = ({} if adapter is None else
+                 {hf_weight_name(f"{t.name}.weight"): t for t in lora_targets(peft_model, adapter)})
         by_tensor: dict[str, list[_Shard]] = {name: [] for name in fp8_tensors}
         for view in views:
             if view.vllm_name not in fp8_tensors:
                 continue
             if view.hf_name not in modules:
-                raise LayoutMismatch(f"{view.hf_name} maps to vLLM's fp8 {view.vllm_name} but is not a frozen Linear "
-                                     "weight of the training model")
+                raise LayoutMismatch(f"{view.hf_name} maps to vLLM's fp8 {view.vllm_name} but is not a Linear weight "
+                                     "the training model samples from")
             by_tensor[view.vllm_name].append(_Shard(modules[view.hf_name], loras.pop(view.hf_name, None), view.start))
         if loras:
             raise LayoutMismatch(f"the adapter adapts {sorted(loras)[:3]}, which vLLM does not hold in fp8; "

@@ -45,7 +45,12 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
     if sampling is SamplingMode.FP8:
         fp8 = vllm_engine.fp8_tensors(llm)
         fp8_rows = [tensor.rows for tensor in fp8.values()]
-        if not plan.sharded:  # sharded: FSDP2's shards fill them once it has made them (`ShardedShare.complete`)
+        if plan.full_finetuning:  # the 16-bit tensors are the trained ones; the linear weights fill the fp8 copy
+            state.weight_copies = vllm_engine.share_trained_parameters(llm, model, generation.accelerator.device,
+                                                                       fp8=fp8)
+            state.shared_bytes = state.weight_copies.shared_bytes
+            views = vllm_engine.plan_views(llm, model, fp8, weights=vllm_engine.trained_parameters(model))[2]
+        elif not plan.sharded:  # sharded: FSDP2's shards fill them once it has made them (`ShardedShare.complete`)
             state.shared_bytes = vllm_engine.share_base_weights(llm, model, parked, generation.accelerator.device,
                                                                 fp8=fp8)
             views = vllm_engine.plan_views(llm, model.get_base_model(), fp8)[2]
@@ -81,8 +86,8 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         if plan.sharded:
             await_sharding(model, ShardedShare.of_engine(llm, plan.tp_size, state, fp8=fp8, park_fp8_base=parks))
         else:
-            state.fp8 = Fp8Sampling(model, model.active_adapter, fp8, views, vllm_engine.engine_dtype(llm),
-                                    park_base=parks)
+            adapter = None if plan.full_finetuning else model.active_adapter
+            state.fp8 = Fp8Sampling(model, adapter, fp8, views, vllm_engine.engine_dtype(llm), park_base=parks)
     return state, plan
 
 

@@ -4,8 +4,8 @@ Design decision: each method page-locks the same total (`--gib`) and is timed fr
 reads without staging, then checked by timing one host-to-device copy out of it (pinned memory copies at PCIe
 speed; pageable memory at a fraction of it). torch's `pin_memory=True` (cudaHostAlloc) is timed at the chunk sizes
 trl_turbo's pools use and at large slabs; `cudaHostRegister` over memory that several threads faulted in first is
-what torch's own `pinned_use_cuda_host_register` allocator option does. Every method's memory is given back before
-the next.
+what torch's own `pinned_use_cuda_host_register` allocator option does, and trl_turbo's own `registered_bytes` at an
+8B model's state size and at 256 MiB. Every method's memory is given back before the next.
 """
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ def _registered(total: int, piece: int, threads: int) -> tuple[list[Any], dict[s
     return tensors, {"allocate_s": end - start, "touch_s": touched - start, "register_s": end - touched}
 
 
+def _library(total: int, piece: int) -> tuple[list[Any], dict[str, float]]:
+    """trl_turbo's own method (`offload.host_pinning.registered_bytes`), what its pinned pools allocate with."""
+    from ..offload.host_pinning import registered_bytes
+
+    start = time.perf_counter()
+    pieces = [registered_bytes(piece) for _ in range(total // piece)]
+    if any(piece is None for piece in pieces):
+        raise RuntimeError("registered_bytes could not register the memory")
+    return pieces, {"allocate_s": time.perf_counter() - start}
+
+
 def _release(method: str, pieces: list[Any]) -> None:
     import torch
 
@@ -64,7 +75,7 @@ def _release(method: str, pieces: list[Any]) -> None:
         cudart = torch.cuda.cudart()
         for tensor in pieces:
             cudart.cudaHostUnregister(tensor.data_ptr())
-    pieces.clear()
+    pieces.clear()  # trl_turbo's memory is unregistered as its last view goes
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
     if empty_host_cache is not None:
         empty_host_cache()
@@ -104,6 +115,8 @@ def run(args: argparse.Namespace) -> Path:
                                       for size in (4, 16, 256)]
     methods += [(f"register 256 MiB, {threads} threads",
                  lambda threads=threads: _registered(total, 256 * MIB, threads)) for threads in (1, 8)]
+    methods += [(f"trl_turbo registered_bytes {size} MiB", lambda size=size: _library(total, size * MIB))
+                for size in (112, 256)]
     config = {"gib": args.gib}
     meta = metadata("pinning", device, config)
     torch.empty(1, device=device)  # the CUDA context before any timing

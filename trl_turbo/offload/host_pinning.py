@@ -5,8 +5,9 @@ Design decisions:
   size asked; writing zeros into plain memory and then registering the range (`cudaHostRegister`) takes 13-17 GB/s
   (`benchmarks/results/pinning-20261129-050141.json`). That is the first step of an offloaded run: 29.9 GiB of an 8B
   model's Adam states took 22.6 s to pin. Copies out of either kind of memory run at the same PCIe speed.
-- The memory is an anonymous mapping of its own (page-aligned, sharing no page with another allocation, which a
-  second registration of that page would refuse), seen through a numpy array as a torch tensor: every view of it
+- The memory is a private anonymous mapping of its own (page-aligned, sharing no page with another allocation, which
+  a second registration of that page would refuse; private, since a shared one is backed by shmem, whose pages fault
+  in about ten times slower), seen through a numpy array as a torch tensor: every view of it
   keeps the array alive, and a finalizer on the array unregisters the range before the mapping goes, after waiting
   for the device (a copy still in flight must never touch freed memory).
 - A range that cannot be registered gives None and clears CUDA's error state (torch checks that state after each
@@ -28,7 +29,10 @@ def registered_bytes(nbytes: int) -> torch.Tensor | None:
 
     if not torch.cuda.is_available():
         return None
-    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    array = np.frombuffer(memory, dtype=np.uint8)
     tensor = torch.from_numpy(array)
     tensor.zero_()  # the pages become resident here, outside the driver's call
     cudart = torch.cuda.cudart()

@@ -178,6 +178,14 @@ for stem in ("e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261127-182353",
 # compared unequal to the tensors': fixed since) and held a cast copy of every weight in vLLM.
 KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-023723", "turbo")] = 0.35
 KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-025327", "turbo")] = 0.30
+# The same with fp8 sampling (no parking under full fine-tuning, so a forecast like any other): both rows peak in
+# their training phase, over the forecast by 25% (states on the host: 44.6 against 33.4 GiB) and 17.5% (on the
+# device: 76.8 against 63.3 GiB). The run's memory plan meant to take that memory: with the states on the host it
+# predicted 43.1 GiB for the micro-batch that peaked (46.5 GiB), under its ceiling, the last generation's footprint
+# as the driver counts it (the fp8 copy and the KV cache mapped, torch's cached blocks). The forecast's ceiling is its
+# own generation phase, lower by what the driver holds beyond torch's tensors; not broken down.
+KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052337", "turbo-fp8")] = 0.30
+KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052911", "turbo-fp8")] = 0.22
 # Stock's KV pool at TP=4 (Llama-3.3-70B): TRL's 0.3 share less vLLM's weight and KV pools left 1.07 GiB of
 # profiling workspace, against the 2.19 GiB `vllm_profile_bytes` fits to 32 and 64 layers at TP 1 and 2: the pool is
 # 7.97 GiB against 7.08 GiB forecast. One row at TP=4 does not yet say how the workspace scales with it.
@@ -209,11 +217,12 @@ def test_run_peaks_and_kv_cache_match_the_current_e2e_rows(monkeypatch):
             assert kv == pytest.approx(row["vllm_pool_kv_cache_gib"], rel=0.05, abs=granules), (row["variant"], kv)
             peak = forecast.peak_bytes / 2**30
             measured = row["peak_gib"] - row.get("others_gib", 0.0)  # the child's own (capped rows record the rest)
-            if row["variant"] == "turbo-fp8":  # an upper bound: the parked base weights are not counted on
+            # LoRA's fp8 rows: an upper bound, the parked base weights are not counted on (full fine-tuning parks none)
+            if row["variant"] == "turbo-fp8" and config["lora"]:
                 assert peak >= measured, (peak, measured)
             elif (result["stem"], row["variant"]) in KNOWN_MISSES:
                 bound = KNOWN_MISSES[result["stem"], row["variant"]]
-                assert TOLERANCE < abs(peak / measured - 1) <= bound, (result["stem"], peak, measured)
+                assert TOLERANCE < abs(peak / measured - 1) <= bound, (result["stem"], peak, measured, bound)
             else:
                 assert peak == pytest.approx(measured, rel=TOLERANCE), (row["variant"], peak, measured)
             checked += 1

@@ -378,17 +378,17 @@ def _check_full_finetuning(config: Any, settings: Settings, model: Any, quantiza
                          "Leave `turbo_vllm_sampling='auto'` (or 'fp8'), or pass a `peft_config`.")
     quantization = policy_quantization(model, config, quantization_config)
     reasons = copy_reasons(quantization, policy_model_type(model, config))
+    if quantization is not None or reasons:
+        raise ValueError("`turbo_vllm_shared_weights=True` with full fine-tuning makes the trained parameters vLLM's "
+                         f"weights, which needs a 16-bit model of a mapped family: {'; '.join(reasons) or 'quantized'}."
+                         " Set `turbo_vllm_shared_weights=False` (TRL's weight sync), or train a LoRA adapter.")
     if settings.vllm_sampling is SamplingMode.FP8:
-        problems = fp8_problems(reasons, None, fp8_capability())
+        problems = fp8_problems([], None, fp8_capability())
         if detect_strategy(config) is Strategy.FSDP2:
             problems.append("under FSDP2 full fine-tuning samples the trained shards in 16 bits")
         if problems:
             raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot serve this run: {'; '.join(problems)}. Leave "
                              "`turbo_vllm_sampling='auto'` (16-bit sampling of the trained weights).")
-    if quantization is not None or reasons:
-        raise ValueError("`turbo_vllm_shared_weights=True` with full fine-tuning makes the trained parameters vLLM's "
-                         f"weights, which needs a 16-bit model of a mapped family: {'; '.join(reasons) or 'quantized'}."
-                         " Set `turbo_vllm_shared_weights=False` (TRL's weight sync), or train a LoRA adapter.")
 
 
 def fp8_problems(copy_reasons: list[str], adapter: Any, capability: tuple[int, int] | None) -> list[str]:

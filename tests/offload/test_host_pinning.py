@@ -56,15 +56,30 @@ def test_without_cuda_nothing_is_registered(monkeypatch):
     assert host_pinning.registered_bytes(4096) is None
 
 
+def test_a_refused_mapping_is_a_pinning_failure_and_the_free_chunks_stay(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_pinning.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_pinning.mmap, "mmap", refuse)
+    assert host_pinning.registered_bytes(4096) is None
+    pool = PinnedPool(budget_bytes=1 << 20, chunk_bytes=1 << 10, pin=False)
+    pool.release(pool.acquire(2048))
+    monkeypatch.setattr(pool, "_allocate", lambda count: (_ for _ in ()).throw(RuntimeError("no memory")))
+    with pytest.raises(RuntimeError):
+        pool.acquire(4096)  # 2 free chunks and 2 new ones, whose allocation fails
+    assert pool.free_bytes == 2048 and pool.allocated_bytes == 2048
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_registered_chunks_are_pinned_round_trip_and_are_unregistered_when_dropped(monkeypatch):
     unregistered = []
     real_unregister = host_pinning._unregister
 
-    def unregister(pointer):
+    def unregister(pointer, device):
         unregistered.append(pointer)
-        real_unregister(pointer)
+        real_unregister(pointer, device)
 
     monkeypatch.setattr(host_pinning, "_unregister", unregister)
     pool = PinnedPool(budget_bytes=1 << 30, chunk_bytes=4 << 20, pin=True)

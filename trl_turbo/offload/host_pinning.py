@@ -10,8 +10,10 @@ Design decisions:
   in about ten times slower), seen through a numpy array as a torch tensor: every view of it
   keeps the array alive, and a finalizer on the array unregisters the range before the mapping goes, after waiting
   for the device (a copy still in flight must never touch freed memory).
-- A range that cannot be registered gives None and clears CUDA's error state (torch checks that state after each
-  kernel launch); the caller then falls back to torch's allocator.
+- A range that cannot be mapped or registered gives None, a failed runtime call's error state cleared (torch checks
+  that state after each kernel launch, through the runtime it loaded: `libcudart.so.<major>`); the caller then falls
+  back to torch's allocator. The mapping is advised not to be copied into forked children, as the driver's own
+  pinned memory is not.
 """
 
 from __future__ import annotations
@@ -29,25 +31,35 @@ def registered_bytes(nbytes: int) -> torch.Tensor | None:
 
     if not torch.cuda.is_available():
         return None
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # the host refuses the mapping: the caller falls back as for any pinning failure
+        return None
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        # huge pages fault in and register faster; a forked child (a data loader's worker) must not get a copy of
+        # page-locked memory (the kernel copies DMA-pinned private pages at fork)
+        if hasattr(mmap, advice):
+            memory.madvise(getattr(mmap, advice))
     array = np.frombuffer(memory, dtype=np.uint8)
     tensor = torch.from_numpy(array)
     tensor.zero_()  # the pages become resident here, outside the driver's call
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+    if int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
         _clear_cuda_error()
         return None
-    weakref.finalize(array, _unregister, tensor.data_ptr())
+    device = torch.cuda.current_device()
+    weakref.finalize(array, _unregister, tensor.data_ptr(), device).atexit = False  # the process's exit frees it all
     return tensor
 
 
-def _unregister(pointer: int) -> None:
+def _unregister(pointer: int, device: int) -> None:
+    """On the device current when the range was registered (the thread dropping the last view may have another
+    current device, whose context this would otherwise create)."""
     try:
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaHostUnregister(pointer)
-    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone, and the process frees the pages anyway
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            if int(torch.cuda.cudart().cudaHostUnregister(pointer)) != 0:
+                _clear_cuda_error()
+    except Exception:  # noqa: BLE001 - a finalizer has no caller to raise to; the process frees the pages at exit
         pass
 
 

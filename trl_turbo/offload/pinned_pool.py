@@ -105,8 +105,8 @@ class PinnedPool:
             return None
         if missing and self._host_too_low(missing * self.chunk_bytes):
             return None
-        chunks = [self._free.pop() for _ in range(needed - missing)]
-        chunks += [_Chunk(tensor) for tensor in self._allocate(missing)] if missing else []
+        new = [_Chunk(tensor) for tensor in self._allocate(missing)] if missing else []
+        chunks = [self._free.pop() for _ in range(needed - missing)] + new
         self.allocated_bytes += missing * self.chunk_bytes
         return HostBlocks(chunks, nbytes)
 
@@ -138,7 +138,9 @@ class PinnedPool:
         return len(self._free) * self.chunk_bytes
 
     def close(self) -> None:
-        """Drop every unused chunk and return the allocator's free cached pinned blocks to the OS."""
+        """Drop every unused chunk and return the allocator's free cached pinned blocks to the OS. A chunk shares its
+        allocation with the others of its request: the memory goes once all of them are dropped, so the callers close
+        a pool only with every chunk released."""
         self.allocated_bytes -= self.free_bytes
         self._free.clear()  # what frees a chunk's memory first waits for copies still using it
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)

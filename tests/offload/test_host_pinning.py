@@ -99,3 +99,8 @@ def test_registered_chunks_are_pinned_round_trip_and_are_unregistered_when_dropp
     gc.collect()
     assert unregistered == [pointer]
     assert pool.allocated_bytes == 0
+
+
+def test_clearing_the_runtimes_error_never_raises(monkeypatch):
+    monkeypatch.setattr(host_pinning.torch.version, "cuda", "99.0")  # no such runtime loaded or installed
+    host_pinning._clear_cuda_error()

@@ -369,9 +369,8 @@ def check_trainer_inputs(config: Any, model: Any, peft_config: Any, quantization
 
 
 def _check_full_finetuning(config: Any, settings: Settings, model: Any, quantization_config: Any) -> None:
-    """Shared weights without an adapter: vLLM samples the trained parameters themselves (or an fp8 copy of them,
-    one process per engine), which needs a 16-bit model of a family whose layout trl_turbo maps, and no adapter
-    sampling mode."""
+    """Shared weights without an adapter: vLLM samples the trained parameters themselves (or an fp8 copy of them),
+    which needs a 16-bit model of a family whose layout trl_turbo maps, and no adapter sampling mode."""
     if settings.vllm_sampling in (SamplingMode.MERGED, SamplingMode.LORA):
         raise ValueError(f"`turbo_vllm_sampling={settings.vllm_sampling.value!r}` chooses how a LoRA adapter reaches "
                          "vLLM; this run fine-tunes every weight (no `peft_config`), which vLLM samples directly. "
@@ -384,8 +383,6 @@ def _check_full_finetuning(config: Any, settings: Settings, model: Any, quantiza
                          " Set `turbo_vllm_shared_weights=False` (TRL's weight sync), or train a LoRA adapter.")
     if settings.vllm_sampling is SamplingMode.FP8:
         problems = fp8_problems([], None, fp8_capability())
-        if detect_strategy(config) is Strategy.FSDP2:
-            problems.append("under FSDP2 full fine-tuning samples the trained shards in 16 bits")
         if problems:
             raise ValueError(f"`turbo_vllm_sampling='fp8'` cannot serve this run: {'; '.join(problems)}. Leave "
                              "`turbo_vllm_sampling='auto'` (16-bit sampling of the trained weights).")

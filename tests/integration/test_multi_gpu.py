@@ -103,7 +103,7 @@ def test_every_rank_shares_weights_with_its_own_engine(tmp_path, strategy):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
-@pytest.mark.parametrize("sampling", ["merged", "lora", "full", "fp8"])
+@pytest.mark.parametrize("sampling", ["merged", "lora", "full", "fp8", "full-fp8"])
 def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path, sampling):
     """TRL's fsdp2.yaml, `vllm_tensor_parallel_size=2`, shared weights + standby. LoRA: on each rank FSDP2's shard of
     every projection lives in its vLLM TP rank's memory and still equals the checkpoint's slice after 3 steps (with
@@ -111,7 +111,8 @@ def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path, sampling)
     gap to the sharded policy with its adapter, far from the one without). Full fine-tuning ("full"): FSDP2's fp32
     shards are cast into vLLM's slices at each sync, rank-locally; vLLM samples the trained policy, not the
     checkpoint it started from. "fp8": vLLM's projections are fp8, written per rank from FSDP2's shards, which stay
-    the checkpoint's slices and leave the device while vLLM samples."""
+    the checkpoint's slices and leave the device while vLLM samples. "full-fp8": full fine-tuning with the
+    projections' fp8 copy written per rank from the trained shards, nothing cast into them."""
     results = _sharded_checks(tmp_path, sampling)
     for result in results:
         assert result["sampling"] == sampling
@@ -119,6 +120,8 @@ def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path, sampling)
         # own fp8 tensors); the norms and the vocabulary-padded embeddings and head keep own copies
         if sampling == "full":
             assert result["shared"] == 0 and result["casts"] == 2 * 7
+        elif sampling == "full-fp8":
+            assert result["shared"] == 0 and result["casts"] == 0 and result["kept"] == 2 * 7
         elif sampling == "fp8":
             assert result["shared"] == result["shards_in_vllm"] == 0 and result["kept"] == 2 * 7
             assert result["differing_from_checkpoint"] == [] and min(result["parked_host_gib"]) > 0
@@ -126,16 +129,16 @@ def test_fsdp2_shards_are_the_tensor_parallel_engine_weights(tmp_path, sampling)
             assert result["shared"] == 2 * 7 and result["shards_in_vllm"] == result["shared"]
             assert result["differing_from_checkpoint"] == []
         policy_gap, other_gap = result["gaps_after"]  # to the live policy; to its base (LoRA) or its start (full)
-        if sampling == "fp8":  # the sampler's policy is the quantized one (as with one GPU)
+        if sampling.endswith("fp8"):  # the sampler's policy is the quantized one (as with one GPU)
             assert other_gap > 2 * policy_gap, (policy_gap, other_gap)
         else:
             assert policy_gap < 0.05 and other_gap > 4 * policy_gap, (policy_gap, other_gap)
         assert len(result["weight_sync_s"]) == 3 and max(result["weight_sync_s"]) < 0.5
-        assert sampling in ("full", "fp8") or min(result["shared_weights_gib"]) > 0
+        assert sampling in ("full", "fp8", "full-fp8") or min(result["shared_weights_gib"]) > 0
         # vLLM's greedy tokens are the policy's best wherever it has a clear best (what HF's greedy generate picks);
         # fp8's rounding may flip a few of them
         greedy = result["greedy"]
-        allowed = greedy["compared"] // 10 if sampling == "fp8" else 0
+        allowed = greedy["compared"] // 10 if sampling.endswith("fp8") else 0
         assert greedy["mismatched"] <= allowed and greedy["compared"] >= greedy["positions"] // 4, greedy
         assert greedy["other_mismatched"] > 0, greedy  # the policy it must not sample from reads them otherwise
         # full fine-tuning's fp32 masters: vLLM's 16-bit copies leave the device with the KV cache while training

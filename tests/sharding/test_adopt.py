@@ -105,10 +105,11 @@ SCRIPT = textwrap.dedent(
             return 1
 
 
-    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None, fp8=None, efficient=False):
+    def prepare(model, engine, merged=False, engine_dtype=torch.float32, standby=None, fp8=None, efficient=False,
+                park=True):
         state = SimpleNamespace(shared_bytes=0, copy_bytes=0, merged=None, fp8=None, weight_copies=None,
                                 standby=standby)
-        share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged, fp8=fp8, park_fp8_base=True)
+        share = ShardedShare(lambda: engine, engine_dtype, T, state, merged=merged, fp8=fp8, park_fp8_base=park)
         registry.replace_attr(model, PENDING_ATTRIBUTE, share, weak=True)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
@@ -304,6 +305,26 @@ SCRIPT = textwrap.dedent(
             torch.equal(engine.slice_of(entry.layouts[rank]), params[entry.name].to_local().to(torch.bfloat16))
             for entry in share.placement.plan.params if entry.kind == "cast")}
 
+    # full fine-tuning with fp8 sampling, fp32 masters over a bf16 engine whose projections are e4m3: each rank's
+    # fp8 tensors are written from its trained shards (never loaded, never cast; nothing parked), the embeddings
+    # and LM head cast at each sync, the norms reloaded
+    engine = Engine(facts, shapes, dtype=torch.bfloat16, fp8=True)
+    fp8 = {name: Fp8Tensor(t, engine.scales[name]) for name, t in engine.tensors.items() if t.dtype == FP8_DTYPE}
+    model, share, state = prepare(build(lora=False), engine, engine_dtype=torch.bfloat16, fp8=fp8, park=False)
+    train_step(model)
+    state.weight_copies.sync()
+    state.fp8.write()
+    trained = build(lora=False)
+    missing, unexpected = trained.load_state_dict({n: p.full_tensor() for n, p in model.named_parameters()},
+                                                  strict=False)  # every rank gathers the same tensors in turn
+    report["full_ft_fp8"] = {
+        "kept": len(share.result.kept), "casts": len(state.weight_copies.casts),
+        "reloads": len(state.weight_copies.reloads), "unloaded": sorted(missing + unexpected),
+        "loaded_projections": sorted(n for n in set(engine.loaded) if n.rsplit(".", 2)[-2] in PROJECTIONS),
+        "written_as_expected": sorted(name for name, t in fp8.items() if same_fp8(t, expected_fp8(
+            trained, trained.model.layers[int(name.split(".")[2])], name))),
+        "parked": sorted(n for n, p in model.named_parameters() if p.to_local().untyped_storage().nbytes() == 0)}
+
     # one rank's engine slice differs: every rank refuses, none adopts
     model = build()
     engine = Engine(facts, shapes, corrupt="model.layers.1.mlp.up_proj.weight" if rank == 1 else None)
@@ -354,6 +375,12 @@ def test_fsdp2_shards_become_the_engine_slices(tmp_path):
             for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")])
         assert report["full_ft_cast"] == {"shared": 0, "casts": 16, "reloads": 5, "released_with_kv": releasable,
                                           "engine_is_trained": True}
+        full_fp8 = report["full_ft_fp8"]
+        assert full_fp8["kept"] == 14 and full_fp8["casts"] == 2 and full_fp8["reloads"] == 5
+        assert full_fp8["loaded_projections"] == [] and full_fp8["unloaded"] == [] and full_fp8["parked"] == []
+        assert full_fp8["written_as_expected"] == sorted(
+            f"model.layers.{i}.{n}.weight" for i in range(2)
+            for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
         fp8 = report["fp8"]
         # the projections are fp8 in the engine: neither loaded nor shared; the embeddings and LM head are shared
         assert fp8["shared"] == 2 and fp8["kept"] == 14

@@ -82,10 +82,15 @@ def _decisions(plan: Any, processes: int = 1, cast_copy: bool = False) -> list[s
                         if engine is not None and engine.sharded and not cast_copy else ""))
     if engine is not None and engine.full_finetuning:
         fp8 = engine.sampling is SamplingMode.FP8
-        held = ("a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)" if cast_copy
-                else "the trained parameters themselves, its linear weights an fp8 copy of them written before each "
-                "generation" if fp8 else "the trained parameters themselves (no sync)")
-        released = " and the copy" if cast_copy else " and the fp8 copy" if fp8 else ""
+        if cast_copy:
+            held = ("an fp8 copy of the linear weights written from each rank's fp32 shards before each generation, "
+                    "and a 16-bit copy of the rest cast into at each sync (no gather)" if fp8 else
+                    "a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)")
+        else:
+            held = ("the trained parameters themselves, its linear weights an fp8 copy of them written before each "
+                    "generation" if fp8 else "the trained parameters themselves (no sync)")
+        released = " and the copies" if cast_copy and fp8 else " and the copy" if cast_copy else (
+            " and the fp8 copy" if fp8 else "")
         lines.append(f"vLLM: full fine-tuning, its weights {held}"
                      + (f"; KV cache{released} released while training (standby)" if engine.standby else ""))
     elif engine is not None and engine.sharing is not None:

@@ -163,6 +163,8 @@ def _engine_memory(args: Any, spec: ModelSpec, engine_plan: Any, *, capacity_byt
             weights += spec.vllm_undone_scale_bytes()
     else:  # vLLM's own copy, its 4-bit block scales in fp32
         weights = spec.weight_bytes(quantized_4bit, nested_4bit=False) // tp_size
+        if own_copy and engine_plan.sampling is SamplingMode.FP8:  # over fp32 masters: its linear weights in fp8
+            weights -= (2 - FP8_BYTES_PER_WEIGHT) * spec.layer_linear_parameters // tp_size
     utilization = _field(args, "vllm_gpu_memory_utilization")
     standby = engine_plan is not None and engine_plan.standby
     budgeted = engine_plan is not None and (engine_plan.shares_weights or standby)  # trl_turbo sizes the KV cache

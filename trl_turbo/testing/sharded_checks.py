@@ -172,8 +172,8 @@ def fail_one_generation(trainer: Any) -> bool:
 
 
 def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | None = None) -> dict[str, Any]:
-    """`sampling`: a LoRA run's sampling mode, or "full" (full fine-tuning, no adapter). `fault_at`: the step after
-    which one generation fails inside vLLM."""
+    """`sampling`: a LoRA run's sampling mode, or "full" / "full-fp8" (full fine-tuning, no adapter, sampled in 16
+    bits / from an fp8 copy). `fault_at`: the step after which one generation fails inside vLLM."""
     from transformers import TrainerCallback
 
     from trl_turbo.testing.vllm_checks import build_trainer, eager_engines, logprob_gaps, randomize_adapter
@@ -181,14 +181,15 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
 
     with warnings.catch_warnings(record=True) as caught, eager_engines():
         warnings.simplefilter("always")
-        full = sampling == "full"
+        full = sampling.startswith("full")
+        mode = {"full": None, "full-fp8": "fp8"}.get(sampling, sampling)  # turbo_vllm_sampling
         # full fine-tuning: projections of 4-32 MB per rank, as large as vLLM's allocator gives segments of their own
         # (the copies standby releases); the LoRA runs keep the tiny shape
         fp8 = {"turbo_vllm_kv_cache_dtype": "fp8", "vllm_importance_sampling_mode": "token_truncate"}
         trainer = build_trainer("llama", workdir, steps=steps, completion_cap=8, vllm_tensor_parallel_size=2,
                                 lora=not full, model_shape=FULL_SHAPE if full else None,
-                                **({} if full else {"turbo_vllm_sampling": sampling}),
-                                **(fp8 if sampling == "fp8" else {}))
+                                **({"turbo_vllm_sampling": mode} if mode else {}),
+                                **(fp8 if mode == "fp8" else {}))
     if not full:
         randomize_adapter(trainer.model)  # rank 0's values reach every rank with FSDP2's start-up broadcast
     used: list[float] = []
@@ -207,7 +208,8 @@ def run(workdir: Path, sampling: str = "auto", steps: int = 3, fault_at: int | N
     logs = trainer.state.log_history
     state = engine_state(trainer.vllm_generation)
     result = {
-        "sampling": ("merged" if state.merged is not None else "lora" if state.adapters is not None
+        "sampling": ("full-fp8" if state.full_finetuning and state.fp8 is not None
+                     else "merged" if state.merged is not None else "lora" if state.adapters is not None
                      else "fp8" if state.fp8 is not None else "full" if state.full_finetuning else None),
         "casts": len(state.weight_copies.casts) if state.weight_copies is not None else 0,
         "own_copy_warnings": sum("keep a copy of their own" in str(w.message) for w in caught),

@@ -198,10 +198,6 @@ def plan_engine(settings: Settings, facts: EngineFacts | None, *, colocate: bool
         if facts.has_adapter:
             sampling, problems = sampling_from(settings.vllm_sampling, sharing, facts, shards=shards)
         elif settings.vllm_sampling is SamplingMode.FP8:  # full fine-tuning: an fp8 copy of the trained weights
-            if sharded:
-                raise ValueError("`turbo_vllm_sampling='fp8'` with full fine-tuning writes the fp8 copy from whole "
-                                 "trained weights, one process per engine; under FSDP2 it samples the trained "
-                                 "shards in 16 bits. Leave `turbo_vllm_sampling='auto'`, or train with DDP.")
             sampling = SamplingMode.FP8
         if sharded and sampling is SamplingMode.MERGED and unshared_adapted:
             sampling, problems = SamplingMode.LORA, [*problems, f"{len(unshared_adapted)} adapted weights keep a "

@@ -240,7 +240,8 @@ def fp8_on_shards(model: torch.nn.Module, plan: PlacementPlan, fp8: Mapping[str,
         start = slice_.offset if slice_.dim == 0 else 0
         rows = slice_.length if slice_.dim == 0 else fp8[entry.vllm_name].rows.shape[0]
         views.append(SharedView(entry.hf_name, entry.vllm_name, start, start + rows))
-    return Fp8Sampling(model, model.active_adapter, fp8, views, compute_dtype, park_base=park_base)
+    adapter = model.active_adapter if hasattr(model, "peft_config") else None  # None: full fine-tuning
+    return Fp8Sampling(model, adapter, fp8, views, compute_dtype, park_base=park_base)
 
 
 def _warn_own_copies(result: ShardedSharing) -> None:

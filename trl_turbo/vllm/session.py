@@ -45,8 +45,8 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
     if sampling is SamplingMode.FP8:
         fp8 = vllm_engine.fp8_tensors(llm)
         fp8_rows = [tensor.rows for tensor in fp8.values()]
-        if plan.full_finetuning and not plan.sharded:  # the 16-bit tensors are the trained ones; the linear
-            # weights fill the fp8 copy
+        # one process's full fine-tuning: the 16-bit tensors are the trained ones, the linear weights fill the copy
+        if plan.full_finetuning and not plan.sharded:
             state.weight_copies = vllm_engine.share_trained_parameters(llm, model, generation.accelerator.device,
                                                                        fp8=fp8)
             state.shared_bytes = state.weight_copies.shared_bytes

@@ -82,7 +82,10 @@ def test_metrics_log_no_prediction_where_none_was_made():
                           can_offload=True, allocated_bytes=1000 * MIB)
     unplanned = LayerPlan(0, 0, 9, 0, 10 * MIB, -1, -1, 64)  # what a CPU forward records: no budget, no prediction
     assert "memory_plan/predicted_peak_gib" not in plan_metrics([unplanned])
+    assert "memory_plan/spendable_gib" not in plan_metrics([unplanned])
     assert plan_metrics([unplanned, planned])["memory_plan/predicted_peak_gib"] == planned.predicted_peak_bytes / 2**30
+    budgeted = [dataclasses.replace(planned, spendable_bytes=s * MIB) for s in (500, 300)]
+    assert plan_metrics(budgeted)["memory_plan/spendable_gib"] == 300 * MIB / 2**30  # the tightest forward
 
 
 def test_saved_bytes_are_counted_once_per_storage_without_parameters():
@@ -629,3 +632,17 @@ def test_a_model_whose_config_or_embeddings_say_nothing_leaves_the_first_micro_b
     assert _layer_input(Silent()) == (0, 2)
     model = _model(2)
     assert _layer_input(model) == (model.config.hidden_size, 4)  # this tiny model's embeddings are fp32
+
+
+def test_the_step_metrics_name_the_ceiling_the_plan_ran_under():
+    import types
+
+    from trl_turbo.grpo.step_metrics import memory_plan_values
+    from trl_turbo.offload import memory_plan
+
+    planner = memory_plan.MemoryPlanner(layer_count=2, parameters=torch.nn.Linear(8, 8).parameters,
+                                        can_offload=True)
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(is_main_process=False))
+    assert "memory_plan/ceiling_gib" not in memory_plan_values(trainer, planner, None)
+    planner.ceiling = lambda: 30 * 2**30  # the last generation's footprint, or the user's budget
+    assert memory_plan_values(trainer, planner, None)["memory_plan/ceiling_gib"] == 30

@@ -281,7 +281,8 @@ _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy",
            "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/p95", "vllm/merge_s",
            "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib", "vllm/unpark_s",
            "memory_plan/kept_layers", "memory_plan/device_layers", "memory_plan/offloaded_layers",
-           "memory_plan/layer_activation_gib", "memory_plan/predicted_peak_gib")
+           "memory_plan/layer_activation_gib", "memory_plan/predicted_peak_gib", "memory_plan/spendable_gib",
+           "memory_plan/ceiling_gib")
 
 
 def new_row(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:

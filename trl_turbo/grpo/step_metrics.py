@@ -92,7 +92,11 @@ def memory_plan_values(trainer: Any, planner: MemoryPlanner, peak_bytes: int | N
     message = planner.observe_peak(plans, peak_bytes) if peak_bytes is not None else None
     if message is not None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return plan_metrics(plans)
+    values = plan_metrics(plans)
+    ceiling = planner.ceiling() if planner.ceiling is not None else None
+    if ceiling is not None:  # the device memory in use the training phase may grow to (standby or the user's)
+        values["memory_plan/ceiling_gib"] = ceiling / _GIB
+    return values
 
 
 class _RolloutWatch:

@@ -473,8 +473,9 @@ class MemoryPlanner:
 
 
 def plan_metrics(plans: list[LayerPlan]) -> dict[str, float]:
-    """One micro-step's plans (one per forward) as metrics: mean layer counts, largest measurement and prediction.
-    Plans made without a device budget (on CPU) predict no peak (-1): then no prediction is logged."""
+    """One micro-step's plans (one per forward) as metrics: mean layer counts, largest measurement and prediction,
+    and the least a forward could spend (free less the margin, under any ceiling: what decided how much was kept).
+    Plans made without a device budget (on CPU) predict no peak (-1): then neither is logged."""
     count = max(len(plans), 1)
     metrics = {
         "memory_plan/kept_layers": sum(p.kept_layers for p in plans) / count,
@@ -485,6 +486,9 @@ def plan_metrics(plans: list[LayerPlan]) -> dict[str, float]:
     predicted = [p.predicted_peak_bytes for p in plans if p.predicted_peak_bytes >= 0]
     if predicted:
         metrics["memory_plan/predicted_peak_gib"] = max(predicted) / _GIB
+    spendable = [p.spendable_bytes for p in plans if p.spendable_bytes >= 0 and p.predicted_peak_bytes >= 0]
+    if spendable:
+        metrics["memory_plan/spendable_gib"] = min(spendable) / _GIB
     return metrics
 
 

@@ -5,6 +5,7 @@ chunks are pinned, copies through them round-trip, and the range is unregistered
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 import torch
@@ -61,6 +62,10 @@ def test_a_refused_mapping_is_a_pinning_failure_and_the_free_chunks_stay(monkeyp
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(host_pinning.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_pinning.torch.cuda, "cudart", lambda: types.SimpleNamespace(cudaHostRegister=None))
+    assert host_pinning.registered_bytes(4096) is None  # runtime bindings without it
+    monkeypatch.setattr(host_pinning.torch.cuda, "cudart",
+                        lambda: types.SimpleNamespace(cudaHostRegister=lambda *args: 0))
     monkeypatch.setattr(host_pinning.mmap, "mmap", refuse)
     assert host_pinning.registered_bytes(4096) is None
     pool = PinnedPool(budget_bytes=1 << 20, chunk_bytes=1 << 10, pin=False)

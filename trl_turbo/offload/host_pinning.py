@@ -29,7 +29,8 @@ def registered_bytes(nbytes: int) -> torch.Tensor | None:
     """A uint8 CPU tensor of `nbytes`, page-locked by `cudaHostRegister`, or None where that fails (or no CUDA)."""
     import numpy as np
 
-    if not torch.cuda.is_available():
+    register = getattr(torch.cuda.cudart(), "cudaHostRegister", None) if torch.cuda.is_available() else None
+    if register is None:  # no CUDA, or a build whose runtime bindings lack it (ROCm)
         return None
     try:
         memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -43,7 +44,7 @@ def registered_bytes(nbytes: int) -> torch.Tensor | None:
     array = np.frombuffer(memory, dtype=np.uint8)
     tensor = torch.from_numpy(array)
     tensor.zero_()  # the pages become resident here, outside the driver's call
-    if int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+    if int(register(tensor.data_ptr(), nbytes, 0)) != 0:
         _clear_cuda_error()
         return None
     device = torch.cuda.current_device()

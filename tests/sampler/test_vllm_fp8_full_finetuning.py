@@ -88,6 +88,14 @@ def test_the_engine_plan_of_full_finetuning_with_fp8(monkeypatch):
     auto = engine_plan.plan_engine(Settings.of(types.SimpleNamespace(**{**vars(config),
                                                                          "turbo_vllm_sampling": "auto"})), facts)
     assert auto.full_finetuning and auto.sampling is None
+    # the KV budget's count of vLLM's weights: a 16-bit copy of every parameter, the fp8 linear weights 1 byte each
+    from trl_turbo.vllm.fp8 import quantized_linear_modules
+    from trl_turbo.vllm.sharing import Sharing
+
+    every = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for m in quantized_linear_modules(model))
+    assert engine_plan._vllm_weight_bytes(model, Sharing(), None) == 2 * every
+    assert engine_plan._vllm_weight_bytes(model, Sharing(), "fp8") == 2 * every - linear
     sharded = engine_plan.plan_engine(Settings.of(config), facts, fsdp2=True, tp_size=2)
     assert sharded.sharded and sharded.full_finetuning and sharded.sampling == "fp8" and not sharded.fp8_parks_base
 

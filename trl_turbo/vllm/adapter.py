@@ -19,6 +19,11 @@ from ..sharding.dtensor import whole_of
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def active_adapter(model: Any) -> str | None:
+    """The live adapter's name of a PEFT model; None for a model trained whole (full fine-tuning)."""
+    return getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+
+
 def adapter_problems(peft_config: Any) -> list[str]:
     """Why vLLM cannot run this LoRA adapter from tensors (empty when it can)."""
     problems = []

@@ -24,7 +24,7 @@ from ..config import KVCacheDtype, SamplingMode, Settings
 from ..device_memory import device_budget
 from ..distributed import Strategy, detect_strategy, local_process_count
 from ..host_memory import available_host_bytes
-from .adapter import lora_engine_kwargs
+from .adapter import active_adapter, lora_engine_kwargs
 from .dequantized import copy_bytes, dequantized_shape
 from .fp8 import Fp8Sampling, quantized_linear_modules
 from .kv_budget import (
@@ -90,7 +90,7 @@ class EngineFacts:
 def engine_facts(model: Any, host_bytes: int | None = None) -> EngineFacts:
     """The facts of a loaded PEFT policy model (`host_bytes`: the host memory to plan with; default: available now)."""
     quantization = quantization_config_dict(getattr(model.config, "quantization_config", None))
-    adapter = getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+    adapter = active_adapter(model)
     four_bit = bool(four_bit_weights(model))
     return EngineFacts(
         model_type=getattr(model.config, "model_type", None),
@@ -325,11 +325,6 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     weight_bytes = _vllm_weight_bytes(model, sharing, sampling)
-    if not hasattr(model, "peft_config"):  # full fine-tuning: vLLM loads a copy of every parameter (16-bit; its
-        # quantized linear weights 1 byte each with fp8 sampling)
-        weight_bytes = sum(p.numel() for p in model.parameters()) * 2
-        if sampling == SamplingMode.FP8:
-            weight_bytes -= sum(m.weight.numel() * (2 - FP8_BYTES) for m in quantized_linear_modules(model))
     tp = max(1, int(getattr(generation, "tensor_parallel_size", 1) or 1))
     if tp > 1 or fsdp:
         # vLLM holds 1/T of the weights; under FSDP the model reaches the device only when training starts, as
@@ -365,13 +360,17 @@ def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sam
 
 def _vllm_weight_bytes(model: Any, sharing: Sharing | None, sampling: str | None = None) -> int:
     """The device memory vLLM's weights will take beyond what is in use when the KV budget is computed."""
+    fp8_weights = (sum(math.prod(dequantized_shape(m.weight)) for m in quantized_linear_modules(model))
+                   if sampling == SamplingMode.FP8 else 0)  # the linear weights vLLM holds in fp8
+    if active_adapter(model) is None:  # full fine-tuning: vLLM loads a 16-bit copy of every parameter but those
+        return sum(p.numel() for p in model.parameters()) * 2 - fp8_weights * (2 - FP8_BYTES)
     if sharing is not None and sharing.mode == COPY:  # next to the training model's weights, which stay
         return copy_bytes(model)
     if sampling == SamplingMode.FP8:
         # 1 byte per linear weight, plus every frozen weight parked on the host meanwhile: the 16-bit embeddings
         # and LM head come back as vLLM's (shared), the linear weights as the training model's own
-        fp8_bytes = sum(math.prod(dequantized_shape(m.weight)) * FP8_BYTES for m in quantized_linear_modules(model))
-        return fp8_bytes + sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        return fp8_weights * FP8_BYTES + sum(p.numel() * p.element_size() for p in model.parameters()
+                                             if not p.requires_grad)
     # Shared: in place of the training model's frozen weights (parked on the host meanwhile). Standby alone: TRL's
     # engine loads its own copy of the same storage (a 4-bit model is quantized by vLLM too) next to them. Both add
     # vLLM's own fp32 block scales: shared, of double-quantized 4-bit weights; its own copy, of every 4-bit weight.

@@ -23,6 +23,7 @@ import torch
 from ..config import SamplingMode
 from . import engine as vllm_engine
 from . import trained_weights
+from .adapter import active_adapter
 from .engine_plan import EnginePlan, EngineState, engine_facts, fp8_parking, warn_fp8_parking
 from .fp8 import Fp8Sampling
 from .merge import MergedSampling
@@ -87,8 +88,8 @@ def start_engine(generation: Any, plan: EnginePlan, parked: Any) -> tuple[Engine
         if plan.sharded:
             await_sharding(model, ShardedShare.of_engine(llm, plan.tp_size, state, fp8=fp8, park_fp8_base=parks))
         else:
-            adapter = None if plan.full_finetuning else model.active_adapter
-            state.fp8 = Fp8Sampling(model, adapter, fp8, views, vllm_engine.engine_dtype(llm), park_base=parks)
+            state.fp8 = Fp8Sampling(model, active_adapter(model), fp8, views, vllm_engine.engine_dtype(llm),
+                                    park_base=parks)
     return state, plan
 
 

@@ -33,6 +33,7 @@ from ..sharding.mesh_shape import device_mesh, hsdp_mesh
 from ..sharding.shard_placement import PlacementPlan, ShardPlacementFn, plan_model
 from ..sharding.tp_layout import TPLayout
 from . import engine as vllm_engine
+from .adapter import active_adapter
 from .fp8 import Fp8Sampling, Fp8Tensor
 from .merge import MergedSampling
 from .trained_weights import WeightCopies, release_with_kv
@@ -240,8 +241,7 @@ def fp8_on_shards(model: torch.nn.Module, plan: PlacementPlan, fp8: Mapping[str,
         start = slice_.offset if slice_.dim == 0 else 0
         rows = slice_.length if slice_.dim == 0 else fp8[entry.vllm_name].rows.shape[0]
         views.append(SharedView(entry.hf_name, entry.vllm_name, start, start + rows))
-    adapter = model.active_adapter if hasattr(model, "peft_config") else None  # None: full fine-tuning
-    return Fp8Sampling(model, adapter, fp8, views, compute_dtype, park_base=park_base)
+    return Fp8Sampling(model, active_adapter(model), fp8, views, compute_dtype, park_base=park_base)
 
 
 def _warn_own_copies(result: ShardedSharing) -> None:

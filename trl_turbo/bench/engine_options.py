@@ -54,6 +54,8 @@ OPTIONS: dict[str, EngineOption] = {
     "bf16-triton-attention": EngineOption({"attention_backend": "TRITON_ATTN"}, reference="bf16"),
     "fp8": EngineOption(FP8),  # CUTLASS W8A8: activations quantized per token at every linear layer
     "fp8-bf16-kv": EngineOption({"quantization": "fp8"}, reference="fp8"),
+    # Triton's unified attention widens each fp8 KV tile to 16 bits in registers; FA3 runs fp8 x fp8 products
+    "fp8-triton-attention": EngineOption({**FP8, "attention_backend": "TRITON_ATTN"}, reference="fp8"),
     # Marlin: weight-only fp8, activations stay 16-bit; vLLM takes it on Hopper only when told to
     "fp8-marlin": EngineOption(FP8, {"VLLM_TEST_FORCE_FP8_MARLIN": "1"}, reference="fp8"),
     "fp8-torch": EngineOption({**FP8, "linear_backend": "torch"}, reference="fp8"),

@@ -173,12 +173,13 @@ def decode_wall_s(generate: Callable[[int], float], tokens: int, repeats: int = 
 
 
 def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 1,
-            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+            extra: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """The last half of the decode steps of one `tokens`-token generation of `prompts`: timed, then profiled, each as
     the whole generation less one of `short_tokens(tokens)` (`rounds`: the waves the engine runs the prompts in).
     Every generation starts from an empty prefix cache, so each one's prefill is the same work and the difference
     leaves it out (a cache that kept some of the prompts' pages would make that run's prefill shorter than the
-    other's). Refused (ValueError) where the prefill's chunks would reach into the measured steps."""
+    other's). `sampling`: further `SamplingParams` fields, over TRL's. Refused (ValueError) where the prefill's chunks
+    would reach into the measured steps."""
     short = short_tokens(tokens)
     scheduler = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
     per_wave = min(len(prompts), getattr(scheduler, "max_num_seqs", None) or len(prompts))  # the first wave is full
@@ -192,7 +193,8 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
     from vllm import SamplingParams
 
     def generate(max_tokens: int) -> float:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, logprobs=0)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, logprobs=0,
+                                **(sampling or {}))
         llm.reset_prefix_cache()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False, **(extra or {}))

@@ -38,6 +38,7 @@ class EngineOption:
     env: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
     turbo_fp8_gemm: bool = False  # trl_turbo's weight-only fp8 GEMM for decode-sized batches (`vllm.fp8_kernel`)
+    sampling: dict[str, Any] = field(default_factory=dict)  # `SamplingParams` fields over TRL's (host-side work)
 
     @property
     def weight_dtype(self) -> str:
@@ -62,6 +63,10 @@ OPTIONS: dict[str, EngineOption] = {
     # KV pages of 64 tokens instead of vLLM's 16: fewer, longer contiguous reads per page-table entry in attention
     "bf16-block-64": EngineOption({"block_size": 64}, reference="bf16"),
     "fp8-block-64": EngineOption({**FP8, "block_size": 64}, reference="fp8"),
+    # the host's share of a step: no text for the tokens and their log-probs, which TRL never reads; log-probs in
+    # flat lists instead of a dict and an object per token (fewer objects for the garbage collector to walk)
+    "fp8-no-text": EngineOption(FP8, reference="fp8", sampling={"detokenize": False}),
+    "fp8-no-text-flat": EngineOption(FP8, reference="fp8", sampling={"detokenize": False, "flat_logprobs": True}),
     "fp8-turbo-gemm": EngineOption({**FP8, **fp8_kernel.engine_arguments()}, reference="fp8", turbo_fp8_gemm=True),
 }
 GREEDY_PROMPTS = 8
@@ -210,13 +215,14 @@ def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
               max_num_seqs=max(spec["batches"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
               enable_prefix_caching=False, logprobs_mode="processed_logprobs", seed=0, **option.engine_kwargs)
     row["init_s"] = time.perf_counter() - start
-    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
+                            **option.sampling)
     outputs = llm.generate(probe_prompts(GREEDY_PROMPTS, 16), greedy, use_tqdm=False)
     row["greedy"] = [chosen(output.outputs[0]) for output in outputs]
     row.update(ok=True, cells=[])
     for context in spec["contexts"]:
         for batch in spec["batches"]:
-            summary = measure(llm, probe_prompts(batch, context), spec["tokens"])
+            summary = measure(llm, probe_prompts(batch, context), spec["tokens"], sampling=option.sampling)
             row["cells"].append({"batch": batch, "context": context, **summary})
             save_row(spec, row)  # a timeout keeps the cells measured so far
             print(f"{spec['option']}, context {context}: " + format_profile(batch, summary), flush=True)

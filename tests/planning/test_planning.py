@@ -187,6 +187,13 @@ KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-025327", "turbo")] = 0.3
 # with the fp8 copy mapped (27.4 against 21.5 GiB) and the copy leaves with the KV cache, which matches the 5.9 GiB
 # the training phase peaked above the bf16 row's; the forecast does not model that spending.
 KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052337", "turbo-fp8")] = 0.30
+# Run again with the host pinning that registers one mapping per request (…-075330 alone, …-075713 beside stock):
+# 46.8 and 46.5 GiB against the same 33.4 GiB forecast. The run's own memory plan predicted 44.1 and 43.2 GiB for the
+# micro-batches it planned (2.75-4 layers' activations kept, 4.6-5.9 GiB spendable under the ceiling), so the run is
+# within 6% of its plan; the forecast's training phase (weights, gradients, 3.0 GiB of activations) leaves out the
+# same ~10 GiB in both, of which stock's training phase shows ~4 GiB too (65.0 forecast, 69.2 measured).
+for stem in ("e2e-llama-3.1-8b-realistic-full-20261129-075330", "e2e-llama-3.1-8b-realistic-full-20261129-075713"):
+    KNOWN_MISSES[(stem, "turbo-fp8")] = 0.30
 KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052911", "turbo-fp8")] = 0.22
 # Stock's KV pool at TP=4 (Llama-3.3-70B): TRL's 0.3 share less vLLM's weight and KV pools left 1.07 GiB of
 # profiling workspace, against the 2.19 GiB `vllm_profile_bytes` fits to 32 and 64 layers at TP 1 and 2: the pool is

@@ -15,7 +15,7 @@ from transformers import HfArgumentParser
 from trl import GRPOConfig, TrlParser
 
 import trl_turbo  # noqa: F401
-from trl_turbo.config import TURBO_FIELDS
+from trl_turbo.config import TURBO_FIELDS, Settings
 
 CPU = {"bf16": False, "use_cpu": True, "report_to": "none"}
 
@@ -160,6 +160,24 @@ def test_invalid_numbers_are_rejected(tmp_path):
         with pytest.raises(ValueError, match="turbo_training_memory_gib"):
             make(tmp_path, turbo_training_memory_gib=budget)
     assert make(tmp_path, turbo_training_memory_gib=48.0).turbo_training_memory_gib == 48.0
+    for share in (-0.1, 1.5, float("nan"), "half"):
+        with pytest.raises(ValueError, match="turbo_offload_optimizer_states.*between 0 .* and 1"):
+            make(tmp_path, turbo_offload_optimizer_states=share)
+
+
+def test_optimizer_state_share_takes_numbers_and_bools(tmp_path):
+    """A share from kwargs, YAML and the command line; a bool (the field's earlier type) means all or none."""
+    for value, share in ((True, 1.0), (False, 0.0), (0.4, 0.4), (1, 1.0)):
+        assert Settings.of(make(tmp_path, turbo_offload_optimizer_states=value)).offload_optimizer_states == share
+    yaml_path = tmp_path / "config.yaml"
+    yaml_path.write_text(f"output_dir: {tmp_path}\nbf16: false\nuse_cpu: true\nreport_to: none\n"
+                         "turbo_offload_optimizer_states: true\n")
+    (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_path)])
+    assert Settings.of(config).offload_optimizer_states == 1.0
+    (config,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true", "--report_to", "none",
+         "--turbo_offload_optimizer_states", "0.35"])
+    assert Settings.of(config).offload_optimizer_states == 0.35
 
 
 def test_training_memory_budget_needs_the_automatic_plan(tmp_path):

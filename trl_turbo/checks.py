@@ -170,9 +170,9 @@ def _check_optimizer_states(args: Any, settings: Settings) -> None:
         return
     reason = unsupported_features(args, ["turbo_offload_optimizer_states"]).get("turbo_offload_optimizer_states")
     if reason is not None:
-        raise ValueError(f"`turbo_offload_optimizer_states=True` cannot work here: {reason}. Or set it to False.")
+        raise ValueError(f"`turbo_offload_optimizer_states` cannot work here: {reason}. Or set it to 0.")
     if detect_strategy(args) in (Strategy.FSDP1, Strategy.FSDP2) and fsdp_offloads_params():
-        raise ValueError("`turbo_offload_optimizer_states=True` with `fsdp_offload_params: true`: FSDP keeps the "
+        raise ValueError("`turbo_offload_optimizer_states` with `fsdp_offload_params: true`: FSDP keeps the "
                          "parameters and the optimizer's states on the host already; set one of them off.")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,12 +146,12 @@ class TurboFields:
             "the host's training processes. See docs/usage.md#offloaded-checkpoints."
         },
     )
-    turbo_offload_optimizer_states: bool = field(
-        default=False,
+    turbo_offload_optimizer_states: float = field(
+        default=0.0,
         metadata={
-            "help": "Keep the optimizer's states (Adam's two moments) in pinned host memory between optimizer steps "
-            "and stream them through the device in chunks at each step: 8 bytes per trained parameter off the GPU, "
-            "for a copy each way per step. Off by default. See docs/usage.md#optimizer-states."
+            "help": "Share of the optimizer's states (Adam's two moments, by bytes) kept in pinned host memory between "
+            "optimizer steps and streamed through the device at each step, for a copy of that share each way per "
+            "step: 0 (default) none, 1 or True all. See docs/usage.md#optimizer-states."
         },
     )
     turbo_tiled_mlp: bool = field(
@@ -302,7 +303,7 @@ class Settings:
     training_memory_gib: float | None
     offload_checkpoints: bool
     offload_host_budget_gib: float | None
-    offload_optimizer_states: bool
+    offload_optimizer_states: float  # the share of the states on the host (0: none)
     tiled_mlp: bool
     tiled_mlp_tokens: int
     forward_token_budget: int | None
@@ -324,8 +325,24 @@ class Settings:
             value = getattr(config, item.name, item.default)
             if item.name in MODE_FIELDS:
                 value = mode_value(item.name, value)
+            elif item.name == "turbo_offload_optimizer_states":
+                value = state_share(value)
             values[item.name.removeprefix("turbo_")] = value
         return cls(**values)
+
+
+def state_share(value: Any) -> float:
+    """`turbo_offload_optimizer_states` as a share in [0, 1] (a bool: all or none); ValueError otherwise."""
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = math.nan
+    if not 0.0 <= share <= 1.0:  # NaN fails too
+        raise ValueError(f"`turbo_offload_optimizer_states={value!r}` must be a share of the optimizer's states "
+                         "between 0 (none on the host) and 1 (all), or a bool.") from None
+    return share
 
 
 def mode_value(name: str, value: Any) -> StrEnum:

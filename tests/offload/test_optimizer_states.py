@@ -98,6 +98,46 @@ def test_offloaded_states_step_to_the_same_parameters_bit_for_bit(adam):
     assert all(s.untyped_storage().nbytes() == 0 for s in _moving_states(fresh))
 
 
+@pytest.mark.parametrize(("share", "moving"), [(0.25, 1), (0.85, 4)])
+def test_a_share_moves_the_first_parameters_states_and_steps_alike(share, moving):
+    """With a share, the states of the first parameters the step walks, up to that share of the parameters' bytes,
+    go to the host; the rest stay on the device, untouched by the copies; the parameters still follow the optimizer
+    that never offloads, bit for bit, through a save and a load."""
+    reference, reference_optimizer = _model_and_optimizer()
+    model, optimizer = _model_and_optimizer()
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64,
+                                    share=share)
+    constant = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1) for o in (reference_optimizer, optimizer)]
+    _train(reference, reference_optimizer, constant[0], 3)
+    _train(model, optimizer, constant[1], 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    params = list(model.parameters())  # 128, 16, 256, 16, 64, 4 elements: 484
+    total = sum(p.numel() for p in params)
+    on_host = [all(s.untyped_storage().nbytes() == 0 for name, s in optimizer.state[p].items() if s.numel() > 1)
+               for p in params]
+    on_device = [all(s.untyped_storage().nbytes() == s.numel() * 4 for name, s in optimizer.state[p].items()
+                     if s.numel() > 1) for p in params]
+    moved = sum(on_host)
+    assert on_host == [True] * moved + [False] * (len(params) - moved) and on_device == [not h for h in on_host]
+    # the fewest leading parameters that reach the share of the bytes
+    assert sum(p.numel() for p in params[:moved]) >= share * total > sum(p.numel() for p in params[:moved - 1])
+    assert moved == moving
+    assert offload.host_bytes == sum(2 * -(-p.numel() * 4 // 64) * 64 for p in params[:moved])
+    saved = optimizer.state_dict()
+    for key, state in reference_optimizer.state_dict()["state"].items():
+        assert all(torch.equal(saved["state"][key][name], value) for name, value in state.items())
+    fresh_model, fresh = _model_and_optimizer()
+    fresh_model.load_state_dict(model.state_dict())
+    OptimizerStateOffload(fresh, chunk_bytes=600, pin=False, min_state_bytes=0, host_chunk_bytes=64, share=share)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    fresh_constant = torch.optim.lr_scheduler.LambdaLR(fresh, lambda s: 1)
+    _train(fresh_model, fresh, fresh_constant, 2, seed=2)
+    _train(reference, reference_optimizer, constant[0], 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), reference.parameters(), strict=True))
+    with pytest.raises(ValueError, match="share must be in"):
+        OptimizerStateOffload(_model_and_optimizer()[1], share=0.0)
+
+
 def test_a_saved_state_is_a_copy_and_the_live_states_stay_on_the_host():
     """`state_dict` neither brings the states back to the device nor hands out the live tensors: what it returned
     keeps its values through later steps, which still follow the optimizer that never offloads."""
@@ -188,13 +228,14 @@ def test_install_finds_the_torch_optimizer_once_and_refuses_what_the_host_cannot
     assert installed(optimizer) is offload and install(optimizer, torch.device("cpu")) is offload
     offload.close()
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
-    with pytest.raises(ValueError, match="turbo_offload_optimizer_states=True. needs about .* Set it to False"):
+    with pytest.raises(ValueError, match=r"turbo_offload_optimizer_states=1. needs about .* Set it lower \(at most"):
         install(optimizer, torch.device("cpu"))
 
 
-def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path, monkeypatch):
+@pytest.mark.parametrize("share", [True, 0.5], ids=["all", "half"])
+def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path, monkeypatch, share):
     """GRPOTrainer (CPU, full fine-tuning, AdamW): 3 steps with a checkpoint after the second, and a run resumed from
-    it, both offloading, end on the parameters of a run that never offloads."""
+    it, both offloading all or half of the states, end on the parameters of a run that never offloads."""
     from trl_turbo.offload import optimizer_states
     from trl_turbo.testing import parity
 
@@ -211,10 +252,12 @@ def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path
 
     plain = trainer(tmp_path / "plain", False)
     plain.train()
-    offloaded = trainer(tmp_path / "offloaded", True)
+    offloaded = trainer(tmp_path / "offloaded", share)
     offloaded.train()
     offload = installed(offloaded.optimizer)
-    assert offload is not None and offload.host_bytes > 0
+    assert offload is not None and offload.host_bytes > 0 and offload.share == float(share)
+    moving, params = offload._moving_parameters(), list(offloaded.model.parameters())
+    assert moving and (len(moving) == len(params)) == (share is True)
     assert installed(plain.optimizer) is None
     # logged with the step metrics: the states' host memory, and the last optimizer step's time once there was one
     logs = [log for log in offloaded.state.log_history if "loss" in log]
@@ -222,7 +265,7 @@ def test_a_full_fine_tuning_saves_and_resumes_with_its_states_offloaded(tmp_path
     assert logs[-1]["offload/optimizer_states_host_gib"] == offload.host_bytes / 2**30
     assert "offload/optimizer_step_s" in logs[-1] and "offload/optimizer_step_s" not in logs[0]
     assert not any("offload/optimizer" in key for log in plain.state.log_history for key in log)
-    resumed = trainer(tmp_path / "offloaded", True)
+    resumed = trainer(tmp_path / "offloaded", share)
     resumed.train(resume_from_checkpoint=str(tmp_path / "offloaded" / "checkpoint-2"))
     for run in (offloaded, resumed):
         assert all(torch.equal(a, b) for a, b in zip(run.model.parameters(), plain.model.parameters(), strict=True))
@@ -329,17 +372,18 @@ def test_fsdp2_shards_states_go_to_the_host_and_step_the_same(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("adam", [{}, {"fused": True}], ids=["default", "fused"])
-def test_overlapped_copies_on_side_streams_step_to_the_same_parameters_bit_for_bit(adam):
+@pytest.mark.parametrize(("adam", "share"), [({}, 1.0), ({"fused": True}, 1.0), ({}, 0.5)],
+                         ids=["default", "fused", "half"])
+def test_overlapped_copies_on_side_streams_step_to_the_same_parameters_bit_for_bit(adam, share):
     """On CUDA the copies run on two side streams beside the update (pinned host chunks): after several steps the
-    parameters and states equal a never-offloaded optimizer's, every moving state is off the device, and the step
-    time counts until the last copy."""
+    parameters and states equal a never-offloaded optimizer's, every moving state is off the device (with half of
+    them moving, the first four layers'; the last four's stay), and the step time counts until the last copy."""
     torch.manual_seed(0)
     reference = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     model = copy.deepcopy(reference)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, **adam)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **adam)
-    offload = OptimizerStateOffload(optimizer, chunk_bytes=3 << 20, pin=True, min_state_bytes=1 << 20)
+    offload = OptimizerStateOffload(optimizer, chunk_bytes=3 << 20, pin=True, min_state_bytes=1 << 20, share=share)
     generator = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(4):
         x = torch.randn(64, 1024, device="cuda", generator=generator)
@@ -351,8 +395,11 @@ def test_overlapped_copies_on_side_streams_step_to_the_same_parameters_bit_for_b
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
     weights = [p for p in model.parameters() if p.dim() == 2]
+    staying = weights[round(len(weights) * share):]
+    weights = weights[:round(len(weights) * share)]
     assert all(optimizer.state[p][name].untyped_storage().nbytes() == 0 for p in weights for name in ("exp_avg",
                                                                                                      "exp_avg_sq"))
+    assert all(optimizer.state[p]["exp_avg"].untyped_storage().nbytes() == p.numel() * 4 for p in staying)
     saved, expected = optimizer.state_dict(), reference_optimizer.state_dict()  # waits for the last sends
     for key, state in expected["state"].items():  # the moving states' copies are on the device, as stock's are
         assert all(torch.equal(saved["state"][key][name], value) for name, value in state.items())

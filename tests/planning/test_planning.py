@@ -18,7 +18,7 @@ from trl_turbo.planning import plan
 from trl_turbo.planning.model_spec import load_config, model_spec
 from trl_turbo.planning.run import forecast_run
 from trl_turbo.planning.training import MicroBatch, forecast_training
-from trl_turbo.vllm.kv_budget import useful_kv_cache_bytes
+from trl_turbo.vllm.kv_budget import auto_kv_cache_bytes, useful_kv_cache_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -353,6 +353,17 @@ def test_full_finetuning_on_one_gpu_trains_vllms_weights_and_its_16_bit_optimize
     assert offloaded.phases[-1].parts["optimizer"] == 0
     assert offloaded.phases[-1].host_bytes >= 4 * spec.parameters
     assert offloaded.peak_bytes < forecast.peak_bytes
+    # a share moves that share of the states: the rest stay in the training phase and shrink the KV budget alike
+    quarter = forecast_run(types.SimpleNamespace(**fields, turbo_offload_optimizer_states=0.25), spec,
+                           capacity_bytes=capacity, prompt_tokens=64)
+    assert quarter.phases[-1].parts["optimizer"] == 3 * spec.parameters
+    assert quarter.phases[-1].host_bytes - offloaded.phases[-1].host_bytes == -3 * spec.parameters
+    # the KV budget reserves the states that stay on the device (the cache here is capped by what 8 sequences fill)
+    kv = [auto_kv_cache_bytes(free_bytes=64 * 2**30, total_bytes=capacity, vllm_weight_bytes=0,
+                              trainable_params=2**30, sampling_workspace_bytes=0, useful_bytes=2**40,
+                              states_on_host=share) for share in (0.0, 0.25, 1.0)]
+    assert kv[1] - kv[0] == 0.25 * 8 * 2**30 and kv[2] - kv[0] == 8 * 2**30
+    assert offloaded.peak_bytes < quarter.peak_bytes <= forecast.peak_bytes
 
 
 def test_cli_prints_the_phases_of_the_shipped_config(capsys):

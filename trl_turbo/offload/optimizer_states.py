@@ -33,6 +33,11 @@ Design decisions:
   `state_dict`, wait for the last sends. On CPU the same schedule runs with synchronous copies.
 - A step's first call creates the states on the device (the optimizer's own lazy initialisation); they leave it
   when that chunk is done.
+- **A share of them moves** (`share`, `turbo_offload_optimizer_states` between 0 and 1): the parameters whose states
+  move are the first ones the step walks, up to that share of the parameters' bytes (Adam's states are a fixed
+  multiple of them, and which parameters move is decided before any state exists); the others' states stay on the
+  device like the small ones. A share buys device memory at the price of its copies alone: the states that stay
+  cost no transfer.
 """
 
 from __future__ import annotations
@@ -66,19 +71,23 @@ class OptimizerStateOffload:
     scheduler wrapped its `step`; `pin`: page-lock the host buffers (CUDA)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, chunk_bytes: int = CHUNK_BYTES, pin: bool = True,
-                 device: torch.device | None = None,
+                 device: torch.device | None = None, share: float = 1.0,
                  min_state_bytes: int = MIN_STATE_BYTES, host_chunk_bytes: int = HOST_CHUNK_BYTES) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share}")
         self.optimizer = optimizer
         self.chunk_bytes = chunk_bytes
+        self.share = share
         self.pin = pin
         self.device = device  # of the states, where the copy streams live (None: the current CUDA device)
         self.min_state_bytes = min_state_bytes
         self._pool = PinnedPool(budget_bytes=2**62, chunk_bytes=host_chunk_bytes, pin=pin,
                                 purpose="optimizer state offload",
-                                remedy="Set `turbo_offload_optimizer_states=False` to keep them on the GPU.")
+                                remedy="Set `turbo_offload_optimizer_states` lower to keep more of them on the GPU.")
         # (id of a parameter's state dict, the state's name) -> its host storage, and the state it holds the values of
         self._host: dict[tuple[int, str], HostBlocks] = {}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
+        self._moving: frozenset[int] | None = None  # ids of the parameters whose states move (`share`)
         self._timing: _StepTiming | None = None  # the last step's, until its metric is read
         self._streams: _CopyStreams | None = None  # made at the first step
         self._step = original = optimizer.step
@@ -235,14 +244,34 @@ class OptimizerStateOffload:
 
     def _states(self, params: Any) -> list[tuple[dict[str, Any], str]]:
         """Where the states of `params` that move are kept: (the parameter's state dict, the state's name) of each
-        tensor of at least `min_state_bytes` (and not empty here) and more than one element (a step counter stays)."""
+        tensor of at least `min_state_bytes` (and not empty here) and more than one element (a step counter stays),
+        of the parameters whose states move (`share`)."""
+        moving = self._moving_parameters()
         found = []
         for param in params:
+            if id(param) not in moving:
+                continue
             state = self.optimizer.state.get(param, {})
             found += [(state, name) for name, value in state.items()
                       if isinstance(value, torch.Tensor) and value.numel() > 1
                       and _nbytes(local_of(value)) >= max(1, self.min_state_bytes)]  # an empty shard stays
         return found
+
+    def _moving_parameters(self) -> frozenset[int]:
+        """The ids of the parameters whose states move: every one, or the first the step walks up to `share` of all
+        the parameters' bytes (each parameter's local shard under FSDP2). Decided at the first call, before any state
+        exists; a parameter added to the optimizer later keeps its states on the device."""
+        if self._moving is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            total = sum(_nbytes(local_of(p)) for p in params)
+            taken, moving = 0, []
+            for param in params:
+                if self.share < 1.0 and taken >= self.share * total:
+                    break
+                moving.append(id(param))
+                taken += _nbytes(local_of(param))
+            self._moving = frozenset(moving)
+        return self._moving
 
     def _copy_streams(self) -> _CopyStreams:
         if self._streams is None:
@@ -393,10 +422,10 @@ def torch_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def install(optimizer: Any, device: torch.device) -> OptimizerStateOffload:
-    """The offload on the torch optimizer inside `optimizer` (accelerate's wrapper or the optimizer itself), installed
-    once; refused (ValueError, before any step) when Adam-like states of the trained parameters would not fit the
-    host's share of pinned memory for this process."""
+def install(optimizer: Any, device: torch.device, share: float = 1.0) -> OptimizerStateOffload:
+    """The offload of `share` of the states on the torch optimizer inside `optimizer` (accelerate's wrapper or the
+    optimizer itself), installed once; refused (ValueError, before any step) when Adam-like states of that share of
+    the trained parameters would not fit the host's share of pinned memory for this process."""
     from ..distributed import local_process_count
     from ..host_memory import OFFLOAD_HOST_FRACTION, available_host_bytes
 
@@ -404,11 +433,12 @@ def install(optimizer: Any, device: torch.device) -> OptimizerStateOffload:
     existing = installed(optimizer)
     if existing is not None:
         return existing
-    expected = 2 * sum(_nbytes(local_of(p)) for group in optimizer.param_groups for p in group["params"])
-    share = available_host_bytes() * OFFLOAD_HOST_FRACTION / local_process_count()
-    if expected > share:
-        raise ValueError(f"trl_turbo: `turbo_offload_optimizer_states=True` needs about {expected / 2**30:.1f} GiB of "
-                         f"pinned host memory for this process's optimizer states, and its share of the host's "
-                         f"available memory is {share / 2**30:.1f} GiB. Set it to False, or train on more GPUs.")
-    return OptimizerStateOffload(optimizer, pin=device.type == "cuda", device=device, min_state_bytes=MIN_STATE_BYTES,
-                                 host_chunk_bytes=HOST_CHUNK_BYTES)
+    expected = 2 * share * sum(_nbytes(local_of(p)) for group in optimizer.param_groups for p in group["params"])
+    room = available_host_bytes() * OFFLOAD_HOST_FRACTION / local_process_count()
+    if expected > room:
+        raise ValueError(f"trl_turbo: `turbo_offload_optimizer_states={share:g}` needs about "
+                         f"{expected / 2**30:.1f} GiB of pinned host memory for this process's optimizer states, and "
+                         f"its share of the host's available memory is {room / 2**30:.1f} GiB. Set it lower (at most "
+                         f"about {share * room / expected:.2f}), or train on more GPUs.")
+    return OptimizerStateOffload(optimizer, pin=device.type == "cuda", device=device, share=share,
+                                 min_state_bytes=MIN_STATE_BYTES, host_chunk_bytes=HOST_CHUNK_BYTES)

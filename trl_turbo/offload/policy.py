@@ -32,7 +32,8 @@ class MemoryPolicy:
     ceiling: CeilingSource
     ceiling_gib: float | None  # with CeilingSource.USER
     forward_token_budget: int | None  # None: micro-batches are never split
-    optimizer_states_offload: bool = False  # the optimizer's states wait in pinned host memory between steps
+    # the share of the optimizer's states that waits in pinned host memory between steps (0: none)
+    optimizer_states_offload: float = 0.0
     why_off: tuple[str, ...] = ()  # why requested features stay off in this run
 
 

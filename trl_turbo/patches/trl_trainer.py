@@ -148,8 +148,9 @@ def _wrap_create_scheduler(original):
     def create_scheduler(self, *args, **kwargs):
         scheduler = original(self, *args, **kwargs)
         # the optimizer exists by now, prepared or not, and an LR scheduler has wrapped what it steps
-        if run_plan.of(self).memory.optimizer_states_offload and getattr(self, "optimizer", None) is not None:
-            optimizer_states.install(self.optimizer, self.accelerator.device)
+        share = run_plan.of(self).memory.optimizer_states_offload
+        if share and getattr(self, "optimizer", None) is not None:
+            optimizer_states.install(self.optimizer, self.accelerator.device, share)
         return scheduler
 
     return create_scheduler

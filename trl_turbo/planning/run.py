@@ -247,8 +247,10 @@ def forecast_run(args: Any, spec: ModelSpec, *, capacity_bytes: int, host_capaci
     optimizer = (OPTIMIZER_BYTES_PER_PARAM if not full else 2 * master_bytes) * trainable
     host_optimizer = 0
     if full and plan is not None and plan.memory.optimizer_states_offload:
-        # every weight's states are far over `MIN_STATE_BYTES` (an adapter's stay on the device: too small to move)
-        optimizer, host_optimizer = 0, optimizer
+        # every weight's states are far over `MIN_STATE_BYTES` (an adapter's stay on the device: too small to move);
+        # a share moves that share of the parameters' bytes
+        host_optimizer = round(plan.memory.optimizer_states_offload * optimizer)
+        optimizer -= host_optimizer
     gradients = master_bytes * trainable if full else 0  # an adapter's are part of the training forecast
     static = weights + adapter
     standby = engine_plan is not None and engine_plan.standby

@@ -317,10 +317,10 @@ def _trl_default(config: Any, name: str) -> Any:
 
 def kv_budget(generation: Any, sharing: Sharing | None, kv_cache_dtype: str, sampling: str | None = None,
               sharded: bool = False, fsdp: bool = False, sequences: int | None = None, *,
-              states_on_host: bool = False) -> int:
+              states_on_host: float = 0.0) -> int:
     """vLLM's KV cache budget for this engine (`sharded`: FSDP2's frozen shards will be vLLM's slices; `fsdp`: the
     training model is sharded by FSDP and still on the host; `sequences`: the most a generation submits to it;
-    `states_on_host`: the optimizer's states wait on the host between steps)."""
+    `states_on_host`: the share of the optimizer's states that waits on the host between steps)."""
     model = generation.model
     free, _, total = device_budget(generation.accelerator.device)  # within a per-process cap, if one is set
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..device_memory import kept_free_bytes
 
 _GIB = 2**30
-# Per trainable parameter: its fp32 gradient, and Adam's two fp32 moments unless they wait on the host
+# Per trainable parameter: its fp32 gradient, and Adam's two fp32 moments but for the share that waits on the host
 # (`turbo_offload_optimizer_states`)
 _GRADIENT_BYTES_PER_PARAM = 4
 _ADAM_STATE_BYTES_PER_PARAM = 4 + 4
@@ -34,13 +34,13 @@ PROMPT_ALLOWANCE_TOKENS = 2048
 
 
 def auto_kv_cache_bytes(*, free_bytes: int, total_bytes: int, vllm_weight_bytes: int, trainable_params: int,
-                        sampling_workspace_bytes: int, useful_bytes: int, states_on_host: bool = False) -> int:
+                        sampling_workspace_bytes: int, useful_bytes: int, states_on_host: float = 0.0) -> int:
     """The KV cache budget in bytes: what is left, capped at `useful_bytes` (every sequence at full length); raises
-    ValueError when less than min(1 GiB, useful) is left, naming what took the memory. `states_on_host`: the
-    optimizer's states wait on the host between steps."""
+    ValueError when less than min(1 GiB, useful) is left, naming what took the memory. `states_on_host`: the share
+    of the optimizer's states that waits on the host between steps."""
     margin = kv_margin_bytes(total_bytes)
-    per_param = _GRADIENT_BYTES_PER_PARAM + (0 if states_on_host else _ADAM_STATE_BYTES_PER_PARAM)
-    reserved = vllm_weight_bytes + trainable_params * per_param + sampling_workspace_bytes + margin
+    per_param = _GRADIENT_BYTES_PER_PARAM + (1.0 - states_on_host) * _ADAM_STATE_BYTES_PER_PARAM
+    reserved = vllm_weight_bytes + round(trainable_params * per_param) + sampling_workspace_bytes + margin
     budget = free_bytes - reserved
     if budget < min(_MIN_KV_BYTES, useful_bytes):
         raise ValueError(

@@ -31,11 +31,13 @@ def render_families() -> str:
 
 
 def render() -> str:
+    from trl_turbo import config
     from trl_turbo.config import TURBO_FIELDS
 
     lines = ["| field | type | default | what it does |", "|---|---|---|---|"]
     for field in TURBO_FIELDS:
         kind = str(field.type).replace(" | None", " or None")
+        kind = getattr(getattr(config, kind, None), "README_TYPE", kind)  # a type of config.py's own
         default = f'"{field.default}"' if isinstance(field.default, str) else str(field.default)
         text = field.metadata["help"].replace("|", "\\|")
         lines.append(f"| `{field.name}` | {kind} | `{default}` | {text} |")

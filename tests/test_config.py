@@ -174,10 +174,12 @@ def test_optimizer_state_share_takes_numbers_and_bools(tmp_path):
                          "turbo_offload_optimizer_states: true\n")
     (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(yaml_path)])
     assert Settings.of(config).offload_optimizer_states == 1.0
-    (config,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true", "--report_to", "none",
-         "--turbo_offload_optimizer_states", "0.35"])
-    assert Settings.of(config).offload_optimizer_states == 0.35
+    for text, share in (("0.35", 0.35), ("true", 1.0), ("False", 0.0)):
+        (config,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true", "--report_to", "none",
+             "--turbo_offload_optimizer_states", text])
+        assert Settings.of(config).offload_optimizer_states == share
+    assert Settings.of(make(tmp_path, turbo_offload_optimizer_states="True")).offload_optimizer_states == 1.0
 
 
 def test_training_memory_budget_needs_the_automatic_plan(tmp_path):

@@ -41,6 +41,21 @@ LOSS_TYPE_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 
 
+class Share(float):
+    """A share between 0 and 1 as a command line, a YAML file or Python give it: a number, or a bool or its text
+    (true/false, yes/no: all or none). The range is checked at config time (`state_share`)."""
+
+    README_TYPE = "float or bool"
+
+    def __new__(cls, value: Any = 0.0) -> Share:
+        if isinstance(value, str) and value.strip().lower() in _BOOL_TEXT:
+            value = _BOOL_TEXT[value.strip().lower()]
+        return super().__new__(cls, value)
+
+
+_BOOL_TEXT = {"true": 1.0, "yes": 1.0, "false": 0.0, "no": 0.0}
+
+
 @dataclass
 class TurboFields:
     """The fields added to GRPOConfig (also the source of README's field table)."""
@@ -146,12 +161,12 @@ class TurboFields:
             "the host's training processes. See docs/usage.md#offloaded-checkpoints."
         },
     )
-    turbo_offload_optimizer_states: float = field(
+    turbo_offload_optimizer_states: Share = field(
         default=0.0,
         metadata={
             "help": "Share of the optimizer's states (Adam's two moments, by bytes) kept in pinned host memory between "
             "optimizer steps and streamed through the device at each step, for a copy of that share each way per "
-            "step: 0 (default) none, 1 or True all. See docs/usage.md#optimizer-states."
+            "step: 0 (default) none, 1 (or true) all. See docs/usage.md#optimizer-states."
         },
     )
     turbo_tiled_mlp: bool = field(
@@ -319,7 +334,7 @@ class Settings:
     @classmethod
     def of(cls, config: Any) -> Settings:
         """The settings of `config` (a GRPOConfig, or any object with some `turbo_*` attributes; None: defaults).
-        Raises ValueError for a mode no StrEnum knows."""
+        Raises ValueError for a mode no StrEnum knows, or a share outside [0, 1]."""
         values = {}
         for item in TURBO_FIELDS:
             value = getattr(config, item.name, item.default)
@@ -332,11 +347,10 @@ class Settings:
 
 
 def state_share(value: Any) -> float:
-    """`turbo_offload_optimizer_states` as a share in [0, 1] (a bool: all or none); ValueError otherwise."""
-    if isinstance(value, bool):
-        return float(value)
+    """`turbo_offload_optimizer_states` as a share in [0, 1] (a bool, or its text: all or none); ValueError
+    otherwise."""
     try:
-        share = float(value)
+        share = float(Share(value))
     except (TypeError, ValueError):
         share = math.nan
     if not 0.0 <= share <= 1.0:  # NaN fails too

@@ -193,8 +193,8 @@ def measure(llm: Any, prompts: list[dict[str, Any]], tokens: int, rounds: int = 
     from vllm import SamplingParams
 
     def generate(max_tokens: int) -> float:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, logprobs=0,
-                                **(sampling or {}))
+        params = SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "logprobs": 0,
+                                   **(sampling or {})})
         llm.reset_prefix_cache()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False, **(extra or {}))

@@ -215,8 +215,8 @@ def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
               max_num_seqs=max(spec["batches"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
               enable_prefix_caching=False, logprobs_mode="processed_logprobs", seed=0, **option.engine_kwargs)
     row["init_s"] = time.perf_counter() - start
-    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0,
-                            **option.sampling)
+    greedy = SamplingParams(**{"max_tokens": GREEDY_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 0,
+                               **option.sampling})
     outputs = llm.generate(probe_prompts(GREEDY_PROMPTS, 16), greedy, use_tqdm=False)
     row["greedy"] = [chosen(output.outputs[0]) for output in outputs]
     row.update(ok=True, cells=[])

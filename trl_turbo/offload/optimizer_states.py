@@ -34,10 +34,12 @@ Design decisions:
 - A step's first call creates the states on the device (the optimizer's own lazy initialisation); they leave it
   when that chunk is done.
 - **A share of them moves** (`share`, `turbo_offload_optimizer_states` between 0 and 1): the parameters whose states
-  move are the first ones the step walks, up to that share of the parameters' bytes (Adam's states are a fixed
-  multiple of them, and which parameters move is decided before any state exists); the others' states stay on the
-  device like the small ones. A share buys device memory at the price of its copies alone: the states that stay
-  cost no transfer.
+  move are the first ones the step walks until they reach that share of the parameters' bytes (Adam's states are a
+  fixed multiple of them, and which parameters move is decided before any state exists): at least the share leaves
+  the device, by at most one parameter more. The others' states stay on the device like the small ones, and cost no
+  transfer. The choice is kept as positions in the parameter groups, so parameters the optimizer is handed again
+  (FSDP2's shards for the whole tensors) keep it, and parameters added later stay on the device. With every state
+  moving (share 1), every parameter's move, as they always did.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ class OptimizerStateOffload:
         # (id of a parameter's state dict, the state's name) -> its host storage, and the state it holds the values of
         self._host: dict[tuple[int, str], HostBlocks] = {}
         self._resident: dict[tuple[int, str], torch.Tensor] = {}
-        self._moving: frozenset[int] | None = None  # ids of the parameters whose states move (`share`)
+        # with a share under 1: the (group, index) positions of the parameters whose states move, chosen once, and
+        # their ids in the groups as they stood at the last step or state_dict call (None: every parameter moves)
+        self._moving_positions: list[tuple[int, int]] | None = None
+        self._moving_ids: frozenset[int] | None = None
         self._timing: _StepTiming | None = None  # the last step's, until its metric is read
         self._streams: _CopyStreams | None = None  # made at the first step
         self._step = original = optimizer.step
@@ -117,6 +122,7 @@ class OptimizerStateOffload:
             return loss
         streams = self._copy_streams()
         timing = _StepTiming(self.pin)
+        self._refresh_moving()
         groups = self.optimizer.param_groups
         everything = [group["params"] for group in groups]
         chunks = list(self._chunks(everything))
@@ -157,6 +163,7 @@ class OptimizerStateOffload:
 
     def fetch_all(self) -> None:
         """Every state back on the device (for a step with a closure, or removal), on the current stream."""
+        self._refresh_moving()
         streams = self._copy_streams()
         streams.current_waits(streams.mark(streams.send))
         streams.current_waits(streams.mark(streams.fetch))  # a prefetch a failed step left running
@@ -177,6 +184,7 @@ class OptimizerStateOffload:
     def _detached_state_dict(self, _optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """`state_dict`'s per-parameter dicts are the optimizer's live ones: each that holds a moving state is
         replaced by a new dict whose moving states are device copies."""
+        self._refresh_moving()
         streams = self._copy_streams()
         streams.current_waits(streams.mark(streams.send))  # the host values are complete
         streams.current_waits(streams.mark(streams.fetch))  # a prefetch a failed step left running
@@ -202,6 +210,7 @@ class OptimizerStateOffload:
     def _take_loaded(self, _optimizer: torch.optim.Optimizer) -> None:
         """After `load_state_dict`: the old host storage is released, each moving state's loaded values go to new
         host storage, and the optimizer holds an empty tensor of the state's shape in its place."""
+        self._refresh_moving()
         streams = self._copy_streams()
         streams.host_waits(streams.mark(streams.send))  # no copy still writes into or reads from the old storage
         streams.host_waits(streams.mark(streams.fetch))
@@ -227,13 +236,16 @@ class OptimizerStateOffload:
         self._resident.clear()
 
     def _chunks(self, everything: list[list[torch.Tensor]]) -> Iterator[list[list[torch.Tensor]]]:
-        """Each group's parameters cut into runs whose states (measured as the parameters' bytes times the states per
-        parameter, or the parameters' own bytes before the first step) reach `chunk_bytes`, walked in order."""
+        """Each group's parameters cut into runs whose moving states (measured as the parameters' bytes times the
+        states per parameter, or the parameters' own bytes before the first step; nothing for a parameter whose
+        states stay) reach `chunk_bytes`, walked in order."""
         chunk: list[list[torch.Tensor]] = [[] for _ in everything]
         size = 0
         for index, params in enumerate(everything):
             for param in params:
                 chunk[index].append(param)
+                if not self._moves(param):
+                    continue
                 states = [holder[name] for holder, name in self._states([param])]
                 size += sum(_nbytes(local_of(s)) for s in states) if states else _nbytes(local_of(param))
                 if size >= self.chunk_bytes:
@@ -246,10 +258,9 @@ class OptimizerStateOffload:
         """Where the states of `params` that move are kept: (the parameter's state dict, the state's name) of each
         tensor of at least `min_state_bytes` (and not empty here) and more than one element (a step counter stays),
         of the parameters whose states move (`share`)."""
-        moving = self._moving_parameters()
         found = []
         for param in params:
-            if id(param) not in moving:
+            if not self._moves(param):
                 continue
             state = self.optimizer.state.get(param, {})
             found += [(state, name) for name, value in state.items()
@@ -257,21 +268,24 @@ class OptimizerStateOffload:
                       and _nbytes(local_of(value)) >= max(1, self.min_state_bytes)]  # an empty shard stays
         return found
 
-    def _moving_parameters(self) -> frozenset[int]:
-        """The ids of the parameters whose states move: every one, or the first the step walks up to `share` of all
-        the parameters' bytes (each parameter's local shard under FSDP2). Decided at the first call, before any state
-        exists; a parameter added to the optimizer later keeps its states on the device."""
-        if self._moving is None:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            total = sum(_nbytes(local_of(p)) for p in params)
-            taken, moving = 0, []
-            for param in params:
-                if self.share < 1.0 and taken >= self.share * total:
-                    break
-                moving.append(id(param))
-                taken += _nbytes(local_of(param))
-            self._moving = frozenset(moving)
-        return self._moving
+    def _moves(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s states move (`share`)."""
+        if self.share >= 1.0:
+            return True
+        if self._moving_ids is None:
+            self._refresh_moving()
+        return id(param) in self._moving_ids
+
+    def _refresh_moving(self) -> None:
+        """With a share under 1: choose the moving positions once (`leading_share`), and map them to the parameters
+        the groups hold now (called outside a step's narrowing of the groups)."""
+        if self.share >= 1.0:
+            return
+        groups = [group["params"] for group in self.optimizer.param_groups]
+        if self._moving_positions is None:
+            self._moving_positions = leading_share(groups, self.share)
+        self._moving_ids = frozenset(id(groups[g][i]) for g, i in self._moving_positions
+                                     if g < len(groups) and i < len(groups[g]))
 
     def _copy_streams(self) -> _CopyStreams:
         if self._streams is None:
@@ -402,6 +416,20 @@ def _owns_resizable_storage(tensor: torch.Tensor) -> bool:
             and storage.nbytes() == _nbytes(tensor))
 
 
+def leading_share(groups: list[list[torch.Tensor]], share: float) -> list[tuple[int, int]]:
+    """The (group, index) positions of the first parameters, walked group by group, whose bytes (local shards) reach
+    `share` of all of theirs: every one for a share of 1."""
+    total = sum(_nbytes(local_of(p)) for params in groups for p in params)
+    positions, taken = [], 0
+    for g, params in enumerate(groups):
+        for i, param in enumerate(params):
+            if share < 1.0 and taken >= share * total:
+                return positions
+            positions.append((g, i))
+            taken += _nbytes(local_of(param))
+    return positions
+
+
 def _offloaded_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     return installed(optimizer).step(closure)
 
@@ -433,12 +461,13 @@ def install(optimizer: Any, device: torch.device, share: float = 1.0) -> Optimiz
     existing = installed(optimizer)
     if existing is not None:
         return existing
-    expected = 2 * share * sum(_nbytes(local_of(p)) for group in optimizer.param_groups for p in group["params"])
+    groups = [group["params"] for group in optimizer.param_groups]
+    expected = 2 * sum(_nbytes(local_of(groups[g][i])) for g, i in leading_share(groups, share))
     room = available_host_bytes() * OFFLOAD_HOST_FRACTION / local_process_count()
     if expected > room:
         raise ValueError(f"trl_turbo: `turbo_offload_optimizer_states={share:g}` needs about "
                          f"{expected / 2**30:.1f} GiB of pinned host memory for this process's optimizer states, and "
-                         f"its share of the host's available memory is {room / 2**30:.1f} GiB. Set it lower (at most "
-                         f"about {share * room / expected:.2f}), or train on more GPUs.")
+                         f"its share of the host's available memory is {room / 2**30:.1f} GiB. Set it lower, or train "
+                         "on more GPUs.")
     return OptimizerStateOffload(optimizer, pin=device.type == "cuda", device=device, share=share,
                                  min_state_bytes=MIN_STATE_BYTES, host_chunk_bytes=HOST_CHUNK_BYTES)

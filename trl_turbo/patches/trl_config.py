@@ -63,8 +63,8 @@ def _inject(cls: type) -> None:
 
 def _evaluated_type(annotation: Any) -> Any:
     # config.py uses postponed annotations; parsers call get_type_hints(), which needs real types or evaluable strings
-    if isinstance(annotation, str):
-        return eval(annotation, {}, {})  # noqa: S307 - our own literal annotations such as "int | None"
+    if isinstance(annotation, str):  # our own literal annotations such as "int | None", or a type of config.py's
+        return eval(annotation, vars(turbo_config), {})  # noqa: S307
     return annotation
 
 

@@ -21,8 +21,8 @@ Seams (all looked up by TRL at call time, so setting them is enough; nothing of 
   diagnostics (`losses.importance_sampling_diagnostics`) are logged from the loss on every step, whoever computed
   the ratio.
 - `GRPOTrainer.create_scheduler` (transformers' Trainer method): after it, the optimizer exists and any LR scheduler
-  has wrapped its step; with `turbo_offload_optimizer_states` the optimizer's states then go to the host between
-  steps (`offload.optimizer_states`).
+  has wrapped its step; with `turbo_offload_optimizer_states` the optimizer's states (all, or that share of them)
+  then go to the host between steps (`offload.optimizer_states`).
 
 Each replaced method consults `args.turbo_*` on every call, so with the switches off the trainer is stock TRL.
 """

@@ -18,6 +18,7 @@ from trl_turbo.offload.memory_plan import (
     LayerPlan,
     describe_plan,
     head_weight_gradient_bytes,
+    plan_forward,
     plan_layers,
     plan_metrics,
 )
@@ -83,9 +84,17 @@ def test_metrics_log_no_prediction_where_none_was_made():
     unplanned = LayerPlan(0, 0, 9, 0, 10 * MIB, -1, -1, 64)  # what a CPU forward records: no budget, no prediction
     assert "memory_plan/predicted_peak_gib" not in plan_metrics([unplanned])
     assert "memory_plan/spendable_gib" not in plan_metrics([unplanned])
+    assert "memory_plan/allocated_gib" not in plan_metrics([unplanned])
     assert plan_metrics([unplanned, planned])["memory_plan/predicted_peak_gib"] == planned.predicted_peak_bytes / 2**30
     budgeted = [dataclasses.replace(planned, spendable_bytes=s * MIB) for s in (500, 300)]
     assert plan_metrics(budgeted)["memory_plan/spendable_gib"] == 300 * MIB / 2**30  # the tightest forward
+    # what the forwards were planned on top of: the most torch had allocated then
+    forward = plan_forward(10, 100 * MIB, 10 * MIB, 0, free_bytes=2000 * MIB, allocated_bytes=700 * MIB,
+                           margin_bytes=100 * MIB, first_kept=True, can_offload=True, tokens=64,
+                           working_bytes=50 * MIB)
+    assert forward.allocated_bytes == 700 * MIB
+    later = dataclasses.replace(forward, allocated_bytes=900 * MIB)
+    assert plan_metrics([forward, later])["memory_plan/allocated_gib"] == 900 * MIB / 2**30
 
 
 def test_saved_bytes_are_counted_once_per_storage_without_parameters():

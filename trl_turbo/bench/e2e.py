@@ -282,7 +282,7 @@ _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy",
            "vllm/restore_s", "vllm/quantize_s", "vllm/fp8_resident_gib", "vllm/unpark_s",
            "memory_plan/kept_layers", "memory_plan/device_layers", "memory_plan/offloaded_layers",
            "memory_plan/layer_activation_gib", "memory_plan/predicted_peak_gib", "memory_plan/spendable_gib",
-           "memory_plan/ceiling_gib")
+           "memory_plan/ceiling_gib", "memory_plan/allocated_gib", "memory/reserved_peak_gib")
 
 
 def new_row(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -32,7 +32,8 @@ _GIB = 2**30
 # Reduced over ranks by their maximum; every other metric by its mean.
 MAXIMUM = frozenset({"offload/host_peak_gib", "offload/host_pool_gib", "offload/blocking_fetches",
                      "offload/optimizer_step_s", "offload/optimizer_states_host_gib",
-                     "memory/device_peak_gib/max", "memory_plan/predicted_peak_gib",
+                     "memory/device_peak_gib/max", "memory/reserved_peak_gib", "memory_plan/predicted_peak_gib",
+                     "memory_plan/allocated_gib",
                      "memory_plan/layer_activation_gib"})
 
 
@@ -68,6 +69,7 @@ def step_values(trainer: Any) -> dict[str, float]:
         # The peak since the last reset: this step's, or its training phase's when the step generated with
         # trl_turbo's vLLM engine (which resets at the end of generation and reports its own memory).
         peak_bytes = torch.cuda.max_memory_allocated(device)
+        values["memory/reserved_peak_gib"] = torch.cuda.max_memory_reserved(device) / _GIB  # with torch's cache
         torch.cuda.reset_peak_memory_stats(device)
         values["memory/device_peak_gib/mean"] = values["memory/device_peak_gib/max"] = peak_bytes / _GIB
     if runtime is not None and runtime.planner is not None:

@@ -118,6 +118,7 @@ class LayerPlan:
     tokens: int = 0  # tokens of the forward (rows x positions)
     spendable_bytes: int = -1  # what the whole forward could spend (free less the margin); -1: unlimited
     first_kept: bool = True  # the first layer kept its activations (and measured them)
+    allocated_bytes: int = -1  # torch's allocated bytes when the forward was planned; -1: planned without a device
 
     @property
     def kept_layers(self) -> int:
@@ -217,7 +218,8 @@ def plan_forward(layer_count: int, layer_bytes: int, input_bytes: int, head_byte
     return dataclasses.replace(
         plan_layers(layer_count - 1, layer_bytes, input_bytes, available, can_offload,
                     allocated_bytes=allocated_bytes + first_bytes + working),
-        tokens=tokens, spendable_bytes=free_bytes - margin_bytes, first_kept=first_kept)
+        tokens=tokens, spendable_bytes=free_bytes - margin_bytes, first_kept=first_kept,
+        allocated_bytes=allocated_bytes)
 
 
 def plan_tokens(layer_count: int, tokens: int, layer_per_token: float, working_per_token: float,
@@ -474,8 +476,9 @@ class MemoryPlanner:
 
 def plan_metrics(plans: list[LayerPlan]) -> dict[str, float]:
     """One micro-step's plans (one per forward) as metrics: mean layer counts, largest measurement and prediction,
-    and the least a forward could spend (free less the margin, under any ceiling: what decided how much was kept).
-    Plans made without a device budget (on CPU) predict no peak (-1): then neither is logged."""
+    the least a forward could spend (free less the margin, under any ceiling: what decided how much was kept), and
+    the most torch had allocated when a forward was planned (what the prediction builds on). Plans made without a
+    device budget (on CPU) predict no peak (-1): then none of the last three is logged."""
     count = max(len(plans), 1)
     metrics = {
         "memory_plan/kept_layers": sum(p.kept_layers for p in plans) / count,
@@ -489,6 +492,9 @@ def plan_metrics(plans: list[LayerPlan]) -> dict[str, float]:
     spendable = [p.spendable_bytes for p in plans if p.spendable_bytes >= 0 and p.predicted_peak_bytes >= 0]
     if spendable:
         metrics["memory_plan/spendable_gib"] = min(spendable) / _GIB
+    allocated = [p.allocated_bytes for p in plans if p.allocated_bytes >= 0 and p.predicted_peak_bytes >= 0]
+    if allocated:
+        metrics["memory_plan/allocated_gib"] = max(allocated) / _GIB
     return metrics
 
 

@@ -485,6 +485,11 @@ def test_cli_forecasts_full_finetuning_under_fsdp2_with_vllms_cast_copy(tmp_path
                      "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "full fine-tuning" in out and "cast into from each rank's fp32 shards" in out
+    assert "100% of the optimizer's states on the host" in out
+    config.write_text(config.read_text().replace("turbo_offload_optimizer_states: true",
+                                                 "turbo_offload_optimizer_states: 0.35"))
+    assert cli_main(["plan", "--config", str(config), "--gpu-gib", "139.8", "--host-gib", "200"]) == 0
+    assert "35% of the optimizer's states on the host" in capsys.readouterr().out
 
 
 def test_full_finetuning_without_shared_weights_keeps_vllms_copy_and_4_bit_full_finetuning_is_refused(monkeypatch):

@@ -106,6 +106,8 @@ def _decisions(plan: Any, processes: int = 1, cast_copy: bool = False) -> list[s
                                       ("trl_turbo's checkpointing", memory.checkpointing),
                                       ("offloaded checkpoints", memory.offload),
                                       ("tiled MLP", memory.tiled_mlp_tokens is not None)) if on]
+    if memory.optimizer_states_offload:
+        features.append(f"{memory.optimizer_states_offload:.0%} of the optimizer's states on the host")
     ceiling = {"device": "the whole device", "generation": "the last generation's footprint"}.get(memory.ceiling.value,
                                                                                                memory.ceiling.value)
     lines.append(f"memory: {', '.join(features) or 'stock'}; ceiling {ceiling}"

@@ -349,25 +349,29 @@ rank = dist.get_rank()
 
 FULL = StateDictOptions(full_state_dict=True)
 
-def sharded(offload):
+def sharded(offload, share=1.0):
     model = tiny_model("llama", vocab_size=64, hidden_size=32, layers=2, intermediate_size=64, seed=0)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if offload:
-        OptimizerStateOffload(optimizer, chunk_bytes=4096, pin=False, min_state_bytes=0, host_chunk_bytes=64)
+        OptimizerStateOffload(optimizer, chunk_bytes=4096, pin=False, min_state_bytes=0, host_chunk_bytes=64,
+                              share=share)
     return model, optimizer
 
+def away(optimizer):
+    return [v.to_local().untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values()
+            if v.numel() > 1]
+
 def moved_away(optimizer):
-    return all(v.to_local().untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values()
-               if v.numel() > 1)
+    return all(away(optimizer))
 
 def moments_of(saved):
     return [v for s in saved["state"].values() for k, v in sorted(s.items()) if k != "step"]
 
-def run(offload):
-    model, optimizer = sharded(offload)
+def run(offload, share=1.0):
+    model, optimizer = sharded(offload, share)
     torch.manual_seed(1 + rank)
     for _ in range(3):
         ids = torch.randint(4, 64, (2, 12))
@@ -377,10 +381,20 @@ def run(offload):
     params = [p.to_local().clone() for p in model.parameters()]
     # the distributed checkpoint's whole-state gather reads the DTensor copies `state_dict` hands out
     saved = get_optimizer_state_dict(model, optimizer, options=FULL)
-    return params, moments_of(saved), moved_away(optimizer), saved
+    return params, moments_of(saved), away(optimizer), saved
 
 reference, reference_moments, _, _ = run(False)
 params, moments, empty, saved = run(True)
+empty = all(empty)
+# a share: the first parameters' local shards move, the rest stay on the device; the same steps and checkpoint
+half_params, half_moments, half_away, half_saved = run(True, 0.5)
+model, optimizer = sharded(True, 0.5)
+set_optimizer_state_dict(model, optimizer, half_saved, options=FULL)
+half = (all(torch.equal(a, b) for a, b in zip(half_params, reference))
+        and all(torch.equal(a, b) for a, b in zip(half_moments, reference_moments))
+        and any(half_away) and not all(half_away) and away(optimizer) == half_away
+        and all(torch.equal(a, b) for a, b in zip(moments_of(get_optimizer_state_dict(model, optimizer, options=FULL)),
+                                                   half_moments)))
 # a whole checkpoint loaded into an offloaded optimizer: its shards go to the host as they load, and read back equal
 model, optimizer = sharded(True)
 set_optimizer_state_dict(model, optimizer, saved, options=FULL)
@@ -388,7 +402,8 @@ loaded = moved_away(optimizer) and all(
     torch.equal(a, b) for a, b in zip(moments_of(get_optimizer_state_dict(model, optimizer, options=FULL)), moments))
 report = {"equal": all(torch.equal(a, b) for a, b in zip(params, reference)), "empty": empty,
           "saved": len(moments) == len(reference_moments) > 0
-                   and all(torch.equal(a, b) for a, b in zip(moments, reference_moments)), "loaded": loaded}
+                   and all(torch.equal(a, b) for a, b in zip(moments, reference_moments)), "loaded": loaded,
+          "half": half}
 with open(sys.argv[1] + f".{rank}", "w") as handle:
     json.dump(report, handle)
 leave_finished_process()
@@ -398,11 +413,12 @@ leave_finished_process()
 def test_fsdp2_shards_states_go_to_the_host_and_step_the_same(tmp_path):
     """Two CPU processes (gloo), FSDP2: the states are DTensors; their local shards move, the sharded parameters
     after three steps equal the run that never offloads, and so do the gathered states a checkpoint saves, while the
-    live ones stay on the host; loaded back into an offloaded optimizer, they go to the host and read back equal."""
+    live ones stay on the host; loaded back into an offloaded optimizer, they go to the host and read back equal. With
+    half of them moving, the same, and the states that stay are on the device."""
     from trl_turbo.testing.multi_gpu import per_rank_reports
 
     for report in per_rank_reports(FSDP2_SCRIPT, tmp_path):
-        assert report == {"equal": True, "empty": True, "saved": True, "loaded": True}
+        assert report == {"equal": True, "empty": True, "saved": True, "loaded": True, "half": True}
 
 
 @pytest.mark.gpu

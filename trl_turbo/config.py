@@ -355,7 +355,7 @@ def state_share(value: Any) -> float:
         share = math.nan
     if not 0.0 <= share <= 1.0:  # NaN fails too
         raise ValueError(f"`turbo_offload_optimizer_states={value!r}` must be a share of the optimizer's states "
-                         "between 0 (none on the host) and 1 (all), or a bool.") from None
+                         "between 0 (none on the host) and 1 (all), or a bool.")
     return share
 
 

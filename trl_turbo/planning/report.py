@@ -81,16 +81,17 @@ def _decisions(plan: Any, processes: int = 1, cast_copy: bool = False) -> list[s
                      + ("; each rank's FSDP2 shards are its vLLM slices (one copy)"
                         if engine is not None and engine.sharded and not cast_copy else ""))
     if engine is not None and engine.full_finetuning:
-        fp8 = engine.sampling is SamplingMode.FP8
-        if cast_copy:
-            held = ("an fp8 copy of the linear weights written from each rank's fp32 shards before each generation, "
-                    "and a 16-bit copy of the rest cast into at each sync (no gather)" if fp8 else
-                    "a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)")
-        else:
-            held = ("the trained parameters themselves, its linear weights an fp8 copy of them written before each "
-                    "generation" if fp8 else "the trained parameters themselves (no sync)")
-        released = " and the copies" if cast_copy and fp8 else " and the copy" if cast_copy else (
-            " and the fp8 copy" if fp8 else "")
+        # (vLLM casts into copies of its own, fp8 sampling) -> what vLLM holds, what standby releases beside the KV
+        held, released = {
+            (True, True): ("an fp8 copy of the linear weights written from each rank's fp32 shards before each "
+                           "generation, and a 16-bit copy of the rest cast into at each sync (no gather)",
+                           " and the copies"),
+            (True, False): ("a 16-bit copy, cast into from each rank's fp32 shards at each sync (no gather)",
+                            " and the copy"),
+            (False, True): ("the trained parameters themselves, its linear weights an fp8 copy of them written before "
+                            "each generation", " and the fp8 copy"),
+            (False, False): ("the trained parameters themselves (no sync)", ""),
+        }[cast_copy, engine.sampling is SamplingMode.FP8]
         lines.append(f"vLLM: full fine-tuning, its weights {held}"
                      + (f"; KV cache{released} released while training (standby)" if engine.standby else ""))
     elif engine is not None and engine.sharing is not None:

@@ -150,6 +150,10 @@ KNOWN_MISSES = dict.fromkeys([("e2e-llama-3.1-8b-20261128-012724", "turbo"),
 # 51% miss. The 70B row's peak (72.9 GiB) came before its first step, while accelerate's loading held FSDP2's new
 # shards beside the engine's weights (a 43% miss): shards are now written into the engine as they load
 # (`ShardedShare.loading_in_place`), not yet measured.
+# The 32B `bench train` row under a 55 GiB ceiling ("auto", 8 x 8448 tokens per GPU; …-094303) peaked at 48.2 GiB,
+# 12.8% under the forecast, which plans up to the ceiling: the run's first micro-batch peaked 8 GiB over its own
+# prediction (40.2 GiB), and every later plan kept that excess in reserve, so it held fewer layers on the device.
+KNOWN_MISSES[("train-qwen2.5-32b-2gpu-fsdp2-20261129-094303", "turbo")] = KNOWN_MISS_TOLERANCE
 KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-160231", "turbo")] = 0.45
 KNOWN_MISSES[("e2e-llama-3.1-8b-4gpu-tp4-20261128-155807", "turbo")] = 0.55
 # The 70B row again with in-place loading: no start-up peak, but its first micro-batch still ran as one forward (no
@@ -169,6 +173,10 @@ for stem in ("e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261127-182353",
              "e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261128-013723",
              "e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261128-162103"):
     KNOWN_MISSES[(stem, "turbo")] = 0.40
+# With fp8 sampling and half of the states on the host (…-093623): 59.5 GiB against 51.1 forecast. Torch's peak less
+# the 7.6 GiB standby had unmapped was 49.3 GiB (the forecast's training phase: 50.7), its cache 6.0 GiB more and
+# the driver's count 4.2 GiB beyond that (NCCL's buffers, the CUDA context, vLLM's graph pool).
+KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-2gpu-tp2-20261129-093623", "turbo-fp8")] = 0.20
 # Full fine-tuning on one GPU (8B shape, bf16, 16 x 576 tokens, shared trained parameters, optimizer states on the
 # host): the first step peaks at 45.5 GiB, its first micro-batch planned before anything was measured (9.5 layers'
 # activations kept, 41.0 GiB predicted); once planned, the steady step peaks at 38.7 GiB against 33.4 GiB forecast
@@ -195,6 +203,13 @@ KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052337", "turbo-fp8")] =
 for stem in ("e2e-llama-3.1-8b-realistic-full-20261129-075330", "e2e-llama-3.1-8b-realistic-full-20261129-075713"):
     KNOWN_MISSES[(stem, "turbo-fp8")] = 0.30
 KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052911", "turbo-fp8")] = 0.22
+# A share of the states on the host (0.4, the rest on the device; …-092609): 62.6 GiB against 51.4 forecast. Split by
+# the run's new metrics: torch held 53.7 GiB at its peak once the 8.9 GiB standby had unmapped (KV cache and fp8 copy,
+# which torch still counts) are taken out (+2.3 over the forecast), its cache 3.3 GiB more (65.8 reserved), and the
+# driver counted 5.7 GiB beyond that (CUDA context, vLLM's graph pool, cuBLAS's workspaces), none of which the
+# forecast models. The training phase's peak is 12.3 GiB over the generation's: its ceiling (50.3 GiB, the
+# generation's footprint) cannot hold the 15 GiB of gradients that arrive with the first backward pass.
+KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-092609", "turbo-fp8")] = 0.25
 # Stock's KV pool at TP=4 (Llama-3.3-70B): TRL's 0.3 share less vLLM's weight and KV pools left 1.07 GiB of
 # profiling workspace, against the 2.19 GiB `vllm_profile_bytes` fits to 32 and 64 layers at TP 1 and 2: the pool is
 # 7.97 GiB against 7.08 GiB forecast. One row at TP=4 does not yet say how the workspace scales with it.
@@ -292,7 +307,10 @@ def test_per_gpu_forecast_matches_the_current_fsdp2_tensor_parallel_rows(monkeyp
                 else:  # fp32 masters and their gradients; vLLM's own 16-bit slice, released while training
                     training = forecast.phases[-1].parts
                     assert training["weights"] == training["gradients"] == 2 * slice_bytes
-                    assert forecast.cast_copy and forecast.phases[0].parts["vLLM weights"] == slice_bytes
+                    # vLLM's own 16-bit slice; with fp8 sampling its linear weights are e4m3 (written from them)
+                    fp8_saving = spec.layer_linear_parameters // tp if row["variant"] == "turbo-fp8" else 0
+                    assert forecast.cast_copy
+                    assert forecast.phases[0].parts["vLLM weights"] == slice_bytes - fp8_saving
                     assert training["vLLM resident"] == 0
             checked += 1
     assert checked >= 2, checked

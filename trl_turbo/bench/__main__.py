@@ -1,5 +1,5 @@
-"""CLI entry point: ``python -m trl_turbo.bench <benchmark> ...`` (train, loss, e2e, engine-options, curves, is-gap,
-roofline, cpu-step, soak, pinning, table).
+"""CLI entry point: ``python -m trl_turbo.bench <benchmark> ...`` (train, loss, e2e, engine-options, decode-gemm,
+decode-attention, curves, is-gap, roofline, cpu-step, soak, pinning, table).
 
 Design decision: one argparse program with a subcommand per benchmark; each subcommand module owns its arguments
 (``add_parser``) and its ``run``, so adding a benchmark touches only its module and this list.
@@ -10,7 +10,21 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import cpu_step, curves, decode_gemm, e2e, engine_options, is_gap, loss, pinning, results, roofline, soak, train
+from . import (
+    cpu_step,
+    curves,
+    decode_attention,
+    decode_gemm,
+    e2e,
+    engine_options,
+    is_gap,
+    loss,
+    pinning,
+    results,
+    roofline,
+    soak,
+    train,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -21,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     e2e.add_parser(subparsers)
     engine_options.add_parser(subparsers)
     decode_gemm.add_parser(subparsers)
+    decode_attention.add_parser(subparsers)
     curves.add_parser(subparsers)
     is_gap.add_parser(subparsers)
     roofline.add_parser(subparsers)

@@ -1,0 +1,35 @@
+"""The decode-attention benchmark's pure parts: a step's byte floor and the cuts its sweep tries (the timings run on
+the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_turbo.bench import __main__ as bench_main
+from trl_turbo.bench.decode_attention import step_bytes, sweep_configs
+
+
+def test_a_steps_floor_is_every_live_key_and_value_once_plus_the_query_in_and_out():
+    one = step_bytes(64, 1984, 32, 8, 128, 1, 1)
+    assert one == 64 * (2 * 1984 * 8 * 128 + 4 * 32 * 128)
+    assert step_bytes(64, 1984, 32, 8, 128, 2, 1) - one == 64 * 2 * 1984 * 8 * 128  # bf16 doubles the cache
+    assert step_bytes(64, 1984, 32, 8, 128, 1, 32) == 32 * one
+
+
+@pytest.mark.parametrize("context", [16, 130, 1984])
+def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(context):
+    configs = sweep_configs(context)
+    assert len(set(configs)) == len(configs) and configs == sweep_configs(context)  # the same order every run
+    for block_n, _, _, split_tokens in configs:
+        assert split_tokens % block_n == 0 and block_n % 16 == 0
+        runs = -(-context // split_tokens)
+        assert runs * split_tokens >= context and (runs - 1) * split_tokens < context
+    assert {config.block_n for config in configs} == {16, 32, 64, 128}
+    most_runs = max(-(-context // config.split_tokens) for config in configs)
+    assert most_runs == (1 if context <= 16 else min(16, -(-context // 16)))
+
+
+def test_the_command_is_registered(capsys):
+    with pytest.raises(SystemExit):
+        bench_main.main(["decode-attention", "--help"])
+    assert "--cells" in capsys.readouterr().out

@@ -1,0 +1,154 @@
+"""Decode attention over a paged KV cache (`trl_turbo.ops.paged_decode_attention`): the Triton kernel
+(TRITON_INTERPRET=1 on CPU) against an fp64 reference within the tolerance rule, beside the naive bf16 torch path;
+bf16 and e4m3 caches, e4m3 queries, grouped-query heads, scattered pages, one run and several, empty sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_turbo.ops import paged_decode_attention as decode_module
+from trl_turbo.ops.merge_fp8 import FP8_DTYPE, FP8_MAX
+from trl_turbo.ops.paged_decode_attention import reference
+from trl_turbo.testing.tolerance import assert_within_naive_error
+
+needs_triton = pytest.mark.skipif(decode_module._triton_decode is None, reason="Triton not installed")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the kernels run interpreted
+PAGE = 16
+
+
+def _case(lengths: list[int], *, q_heads: int = 8, kv_heads: int = 2, head_dim: int = 32, fp8_cache: bool = False,
+          fp8_query: bool = False, seed: int = 0):
+    """Caches of scattered pages (shuffled block table, spare pages) filled with random keys and values."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_each = max(1, max(-(-n // PAGE) for n in lengths))
+    blocks = len(lengths) * pages_each + 3
+    keys = torch.randn(blocks, PAGE, kv_heads, head_dim, generator=generator)
+    values = torch.randn(blocks, PAGE, kv_heads, head_dim, generator=generator)
+    query = torch.randn(len(lengths), q_heads, head_dim, generator=generator)
+    table = torch.randperm(blocks, generator=generator)[: len(lengths) * pages_each].reshape(len(lengths), -1)
+    scales = {}
+    if fp8_cache:
+        k_scale, v_scale = keys.abs().max() / FP8_MAX, values.abs().max() / FP8_MAX
+        keys, values = (keys / k_scale).to(FP8_DTYPE), (values / v_scale).to(FP8_DTYPE)
+        scales.update(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1))
+    else:
+        keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    if fp8_query:
+        q_scale = query.abs().max() / FP8_MAX
+        query = (query / q_scale).to(FP8_DTYPE)
+        scales["q_scale"] = q_scale.reshape(1)
+    else:
+        query = query.to(torch.bfloat16)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    move = {key: value.to(DEVICE) for key, value in scales.items()}
+    return (query.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), table.to(torch.int32).to(DEVICE),
+            lens.to(DEVICE), move)
+
+
+def _exact(query, keys, values, table, lens, scales, softmax_scale):
+    widened = {name: scale.double() for name, scale in scales.items()}
+    return reference(query.double() if query.element_size() > 1 else query, keys, values, table, lens,
+                     softmax_scale=softmax_scale, out=torch.empty(query.shape, dtype=torch.float64,
+                                                                  device=query.device), **widened)
+
+
+def _naive(query, keys, values, table, lens, scales, softmax_scale):
+    """The same attention in bf16 torch ops: what a plain port would compute."""
+    kv_heads, head_dim = keys.shape[2], keys.shape[3]
+    group = query.shape[1] // kv_heads
+    q = query.to(torch.bfloat16) if "q_scale" not in scales else (query.float() * scales["q_scale"]).bfloat16()
+    out = torch.zeros(query.shape, dtype=torch.bfloat16, device=query.device)
+    for t, length in enumerate(lens.tolist()):
+        if length == 0:
+            continue
+        pages = table[t, : -(-length // PAGE)].long()
+        k = keys[pages].reshape(-1, kv_heads, head_dim)[:length]
+        v = values[pages].reshape(-1, kv_heads, head_dim)[:length]
+        if "k_scale" in scales:
+            k, v = (k.float() * scales["k_scale"]).bfloat16(), (v.float() * scales["v_scale"]).bfloat16()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[t], k) * softmax_scale
+        out[t] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8-query"])
+@pytest.mark.parametrize("config", [None, (32, 4, 2, 64), (16, 4, 1, 32)], ids=["default", "runs-of-64", "runs-of-32"])
+def test_the_kernel_is_within_the_naive_error_of_the_exact_attention(cache, config):
+    from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
+
+    lengths = [1, 17, 0, 95, 48, 130]  # off every tile and page; an empty sequence (CUDA-graph padding)
+    query, keys, values, table, lens, scales = _case(lengths, fp8_cache=cache != "bf16",
+                                                     fp8_query=cache == "fp8-query", seed=len(cache))
+    softmax_scale = query.shape[-1] ** -0.5
+    out = torch.empty(query.shape, dtype=torch.bfloat16, device=DEVICE)
+    result = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=130,
+                                    out=out, config=config, **scales)
+    assert result is out
+    exact = _exact(query, keys, values, table, lens, scales, softmax_scale)
+    assert_within_naive_error(result, _naive(query, keys, values, table, lens, scales, softmax_scale), exact,
+                              what=f"{cache}, {config}")
+    assert torch.count_nonzero(result[2]) == 0  # the empty sequence
+    assert torch.equal(result[0].float(), exact[0].to(torch.bfloat16).float()) or cache != "bf16"
+
+
+@needs_triton
+def test_runs_combine_to_what_one_run_computes_and_the_grid_covers_max_seq_len():
+    from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
+
+    lengths = [200, 7, 64]
+    query, keys, values, table, lens, scales = _case(lengths, q_heads=4, kv_heads=4, seed=3)  # no grouping
+    softmax_scale = 0.2
+    one = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=256,
+                                 config=(64, 4, 2, 256))
+    several = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=256,
+                                     config=(32, 4, 2, 32))
+    exact = _exact(query, keys, values, table, lens, scales, softmax_scale)
+    for result in (one, several):
+        assert_within_naive_error(result, _naive(query, keys, values, table, lens, scales, softmax_scale), exact)
+    assert (one.float() - several.float()).abs().max() <= 2 * (one.float() - exact).abs().max() + 1e-2
+    # a launch whose runs stop short of a sequence's end leaves its tail out: max_seq_len is a promise
+    short = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=64,
+                                   config=(32, 4, 2, 32))
+    assert not torch.allclose(short[0].float(), exact[0].float(), atol=1e-2)
+    assert torch.allclose(short[1].float(), exact[1].float(), atol=2e-2)
+
+
+@needs_triton
+def test_the_op_takes_the_kernel_and_the_reference_alike_and_refuses_mismatched_inputs():
+    from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
+
+    query, keys, values, table, lens, scales = _case([33, 5], fp8_cache=True, seed=5)
+    with decode_module._force_backend("triton"):
+        kernel = decode_module.paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3,
+                                                      max_seq_len=64, **scales)
+    with decode_module._force_backend("torch"):
+        torch_path = decode_module.paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3,
+                                                          max_seq_len=64, **scales)
+    assert kernel.dtype == torch_path.dtype == torch.bfloat16
+    assert (kernel.float() - torch_path.float()).abs().max() < 2e-2
+    with pytest.raises(ValueError, match="does not match"):
+        paged_decode_attention(query[:, :3], keys, values, table, lens, softmax_scale=0.3, max_seq_len=64, **scales)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=64,
+                               k_scale=scales["k_scale"])
+    fp8_query, *_ = _case([3], fp8_query=True)
+    with pytest.raises(ValueError, match="pass `out`"):
+        paged_decode_attention(fp8_query, keys, values, table[:1], lens[:1], softmax_scale=0.3, max_seq_len=64,
+                               q_scale=torch.ones(1, device=DEVICE), **scales)
+    with pytest.raises(ValueError, match="whole tiles"):
+        paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=64,
+                               config=(32, 4, 2, 48), **scales)
+
+
+def test_the_default_cut_fills_the_gpu_with_whole_tiles():
+    from trl_turbo.kernels.paged_decode_attention import decode_attention_config
+
+    few = decode_attention_config(2112, sequences=8, kv_heads=8, processors=132)
+    many = decode_attention_config(2112, sequences=64, kv_heads=8, processors=132)
+    assert few.split_tokens % few.block_n == 0 and many.split_tokens % many.block_n == 0
+    runs = lambda config: -(-2112 // config.split_tokens)  # noqa: E731
+    assert runs(few) > runs(many) >= 1 and 8 * 8 * runs(few) >= 4 * 132
+    assert decode_attention_config(16, sequences=64, kv_heads=8, processors=132).split_tokens == 64  # one tile

@@ -1,0 +1,235 @@
+"""``python -m trl_turbo.bench decode-attention``: one decode step's attention over a paged KV cache, FlashAttention 3
+as vLLM calls it against trl_turbo's Triton kernel (`kernels.paged_decode_attention`) under its own cut and each cut
+of a sweep, every cell against its byte floor.
+
+Design decisions:
+- A cell is (live sequences, context tokens, cache dtype) at a model shape's heads per tensor-parallel rank. The step
+  is timed as the engine runs it: one call per decoder layer, each layer over a cache of its own, all captured in one
+  CUDA graph and replayed; short contexts then sit in L2 as they do in the engine.
+- FA3 runs as vLLM's FlashAttention backend calls it under full CUDA graphs: the ahead-of-time scheduler metadata,
+  at most `FA3_SPLITS` splits, and an e4m3 query with the cache's scales where the cache is e4m3 (vLLM quantizes the
+  query before the call; that kernel is not timed, for either candidate). trl_turbo's kernel reads the same inputs.
+- The floor is the bytes a step must move (every live key and value once, the query in and the output out) at the
+  read bandwidth measured in the same command. Each candidate's output is compared with the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from ..kernels.paged_decode_attention import DecodeAttentionConfig
+from .decode_gemm import graph_seconds_per_call
+from .results import DEFAULT_RESULTS_DIR
+
+PAGE = 16
+FA3_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_WARPS = (2, 4, 8)
+SWEEP_STAGES = (1, 2, 3)
+SWEEP_RUNS = (1, 2, 4, 8, 16)
+
+
+def step_bytes(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, cache_bytes: int,
+               layers: int) -> int:
+    """What one decode step's attention must move: every live key and value once, 16-bit query in and out."""
+    per_layer = sequences * (2 * context * kv_heads * head_dim * cache_bytes + 2 * 2 * q_heads * head_dim)
+    return per_layer * layers
+
+
+def sweep_configs(context: int) -> list[DecodeAttentionConfig]:
+    """Tile sizes, warps, stages and run counts (runs of whole tiles covering `context`; rounding up to whole tiles
+    may leave fewer runs, and equal cuts are tried once), in a fixed shuffled order so that a sweep its budget cuts
+    short has sampled every dimension."""
+    configs = set()
+    for block_n, warps, stages, runs in itertools.product(SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, SWEEP_RUNS):
+        per_run = math.ceil(context / runs)
+        configs.add(DecodeAttentionConfig(block_n, warps, stages, math.ceil(per_run / block_n) * block_n))
+    ordered = sorted(configs)
+    random.Random(0).shuffle(ordered)
+    return ordered
+
+
+def _cell_inputs(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, fp8: bool, layers: int,
+                 device: Any) -> dict[str, Any]:
+    import torch
+
+    from ..ops.merge_fp8 import FP8_DTYPE, FP8_MAX
+
+    generator = torch.Generator(device=device).manual_seed(sequences * 131 + context)
+    pages = -(-context // PAGE)
+    blocks = sequences * pages + 1
+    table = torch.randperm(blocks, device=device, generator=generator)[: sequences * pages]
+    table = table.reshape(sequences, pages).to(torch.int32)
+    caches = []
+    for _ in range(layers):
+        kv = torch.randn(blocks, 2, PAGE, kv_heads, head_dim, device=device, generator=generator)
+        caches.append((kv / (4.0 / FP8_MAX)).to(FP8_DTYPE) if fp8 else kv.to(torch.bfloat16))
+    query = torch.randn(sequences, q_heads, head_dim, device=device, generator=generator)
+    scales = {}
+    if fp8:
+        q_scale = torch.tensor([query.abs().max().item() / FP8_MAX], device=device)
+        query = (query / q_scale).to(FP8_DTYPE)
+        scales = {"q_scale": q_scale, "k_scale": torch.tensor([4.0 / FP8_MAX], device=device),
+                  "v_scale": torch.tensor([4.0 / FP8_MAX], device=device)}
+    else:
+        query = query.to(torch.bfloat16)
+    return {"table": table, "caches": caches, "query": query, "scales": scales,
+            "lens": torch.full((sequences,), context, dtype=torch.int32, device=device),
+            "out": torch.empty((sequences, q_heads, head_dim), dtype=torch.bfloat16, device=device)}
+
+
+def _fa3_calls(cell: dict[str, Any], context: int, head_dim: int) -> list[Any] | None:
+    """vLLM's FA3 decode call per layer, or None where vLLM's FlashAttention is not importable."""
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func, get_scheduler_metadata
+    except ImportError:
+        return None
+    import torch
+
+    query, lens, scales = cell["query"], cell["lens"], cell["scales"]
+    sequences, q_heads, _ = query.shape
+    kv_heads = cell["caches"][0].shape[3]
+    starts = torch.arange(sequences + 1, dtype=torch.int32, device=query.device)
+    metadata = get_scheduler_metadata(batch_size=sequences, max_seqlen_q=1, max_seqlen_k=context,
+                                      num_heads_q=q_heads, num_heads_kv=kv_heads, headdim=head_dim,
+                                      cache_seqlens=lens, qkv_dtype=query.dtype, cu_seqlens_q=starts,
+                                      page_size=PAGE, causal=True, num_splits=FA3_SPLITS)
+    descale = {name.replace("_scale", "_descale"): scale.expand(sequences, kv_heads)
+               for name, scale in scales.items()}
+    calls = []
+    for kv in cell["caches"]:
+        keys, values = kv.unbind(1)
+        calls.append(lambda keys=keys, values=values: flash_attn_varlen_func(
+            q=query, k=keys, v=values, out=cell["out"], cu_seqlens_q=starts, max_seqlen_q=1, seqused_k=lens,
+            max_seqlen_k=context, softmax_scale=head_dim ** -0.5, causal=True, block_table=cell["table"],
+            scheduler_metadata=metadata, fa_version=3, num_splits=FA3_SPLITS, **descale))
+    return calls
+
+
+def _turbo_calls(cell: dict[str, Any], context: int, head_dim: int, config: DecodeAttentionConfig | None) -> list:
+    from ..kernels.paged_decode_attention import paged_decode_attention
+
+    calls = []
+    for kv in cell["caches"]:
+        keys, values = kv.unbind(1)
+        calls.append(lambda keys=keys, values=values: paged_decode_attention(
+            cell["query"], keys, values, cell["table"], cell["lens"], softmax_scale=head_dim ** -0.5,
+            max_seq_len=context, out=cell["out"], config=config, **cell["scales"]))
+    return calls
+
+
+def _error(calls: list, cell: dict[str, Any], exact: Any) -> float:
+    calls[0]()
+    return (cell["out"].float() - exact).abs().max().item()
+
+
+def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, fp8: bool, layers: int,
+                 device: Any, budget_s: float) -> dict[str, Any]:
+    """Seconds per layer of each candidate on one cell, their largest error against the fp32 reference, and the
+    sweep's cuts sorted fastest first (as many as `budget_s` allows)."""
+    from ..ops.paged_decode_attention import reference
+
+    cell = _cell_inputs(sequences, context, q_heads, kv_heads, head_dim, fp8, layers, device)
+    keys, values = cell["caches"][0].unbind(1)
+    exact = reference(cell["query"], keys, values, cell["table"], cell["lens"], softmax_scale=head_dim ** -0.5,
+                      **cell["scales"]).float()
+    seconds, errors = {}, {}
+    fa3 = _fa3_calls(cell, context, head_dim)
+    if fa3 is not None:
+        errors["FA3 (vLLM)"] = _error(fa3, cell, exact)
+        seconds["FA3 (vLLM)"] = graph_seconds_per_call(fa3)
+    default = _turbo_calls(cell, context, head_dim, None)
+    errors["turbo, default cut"] = _error(default, cell, exact)
+    seconds["turbo, default cut"] = graph_seconds_per_call(default)
+    started, sweep = time.monotonic(), []
+    configs = sweep_configs(context)
+    for config in configs:
+        if time.monotonic() - started > budget_s:
+            break
+        calls = _turbo_calls(cell, context, head_dim, config)
+        try:
+            error = _error(calls, cell, exact)
+            per_call = graph_seconds_per_call(calls)
+        except Exception as failure:  # a cut whose shared memory does not fit: the sweep goes on
+            sweep.append({"config": config._asdict(), "error": str(failure).splitlines()[0][:200]})
+            continue
+        sweep.append({"config": config._asdict(), "seconds": per_call, "max_abs_error": error})
+    timed = sorted((entry for entry in sweep if "seconds" in entry), key=lambda entry: entry["seconds"])
+    if timed:
+        seconds["turbo, best cut"] = timed[0]["seconds"]
+        errors["turbo, best cut"] = timed[0]["max_abs_error"]
+    return {"seconds": seconds, "max_abs_error": errors, "sweep": timed,
+            "sweep_failed": [entry for entry in sweep if "error" in entry],
+            "sweep_complete": len(sweep) == len(configs)}
+
+
+def run(args: argparse.Namespace) -> Path:
+    import torch
+
+    from .hardware import measure_apart
+    from .results import metadata
+    from .roofline import shape_spec
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the decode-attention benchmark times CUDA kernels: it needs a CUDA GPU")
+    device = torch.device("cuda", 0)
+    spec = shape_spec(args.shape, None)
+    q_heads, kv_heads = spec.query_width // spec.head_dim // args.tp, spec.key_value_heads // args.tp
+    if not kv_heads or spec.key_value_heads % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not split the shape's {spec.key_value_heads} KV heads")
+    cells = [(int(s), int(c)) for s, c in (cell.split("x") for cell in args.cells.split(","))]
+    dtypes = [name.strip() for name in args.caches.split(",")]
+    if set(dtypes) - {"bf16", "fp8"}:
+        raise SystemExit(f"--caches takes bf16 and fp8, got {dtypes}")
+    hardware = measure_apart(device)
+    bandwidth = hardware["read_bytes_per_s"]
+    config = {"shape": args.shape, "tp": args.tp, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": spec.head_dim,
+              "layers": spec.layers, "cells": cells, "caches": dtypes, "page": PAGE, "fa3_splits": FA3_SPLITS,
+              "sweep_budget_s": args.sweep_budget_s}
+    meta = {**metadata("decode-attention", device, config), "hardware": hardware}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode-attention-{args.shape}-tp{args.tp}-{time.strftime('%Y%m%d-%H%M%S')}"
+    results: list[dict[str, Any]] = []
+    for dtype, (sequences, context) in itertools.product(dtypes, cells):
+        fp8 = dtype == "fp8"
+        measured = measure_cell(sequences, context, q_heads, kv_heads, spec.head_dim, fp8, spec.layers, device,
+                                args.sweep_budget_s)
+        floor = step_bytes(sequences, context, q_heads, kv_heads, spec.head_dim, 1 if fp8 else 2, 1) / bandwidth
+        measured["step_ms"] = {name: 1e3 * s * spec.layers for name, s in measured["seconds"].items()}
+        measured["read_fraction"] = {name: floor / s for name, s in measured["seconds"].items()}
+        results.append({"cache": dtype, "sequences": sequences, "context": context,
+                        "floor_step_ms": 1e3 * floor * spec.layers, **measured})
+        print(format_row(results[-1]), flush=True)
+        torch.cuda.empty_cache()
+        (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": results}, indent=2) + "\n")
+    print(f"wrote {out / stem}.json")
+    return out / f"{stem}.json"
+
+
+def format_row(row: dict[str, Any]) -> str:
+    parts = [f"{name} {ms:.3f} ms ({row['read_fraction'][name]:.0%}, err {row['max_abs_error'][name]:.2g})"
+             for name, ms in row["step_ms"].items()]
+    best = row["sweep"][0]["config"] if row["sweep"] else None
+    return (f"{row['cache']} {row['sequences']} x {row['context']}: floor {row['floor_step_ms']:.3f} ms; "
+            + "; ".join(parts) + f"; best {best}")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("decode-attention", help="one decode step's paged attention: FA3 as vLLM calls "
+                                                            "it against trl_turbo's kernel, with a sweep")
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: the heads of one rank")
+    parser.add_argument("--cells", default="64x16,64x512,64x1984,8x1984",
+                        help="comma-separated SEQUENCESxCONTEXT cells")
+    parser.add_argument("--caches", default="fp8,bf16", help="comma-separated among bf16,fp8")
+    parser.add_argument("--sweep-budget-s", type=float, default=8.0, help="seconds of sweep per cell")
+    parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
+    parser.set_defaults(func=run)

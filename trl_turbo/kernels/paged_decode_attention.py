@@ -1,0 +1,207 @@
+"""Decode attention over a paged KV cache (vLLM's flash-attention layout), one query token per sequence, for the
+sampling engine's decode steps (`ops.paged_decode_attention`).
+
+A decode step's attention reads each sequence's live keys and values once; its floor is those bytes. FlashAttention 3
+pays a fixed cost per launch that dominates short contexts (about 31 us per layer at 64 sequences of 16 tokens on an
+H200) and reads long fp8 caches at about half the bandwidth. Design decisions:
+- One program per (sequence, KV head, run of the context): the query heads that share the KV head (grouped-query
+  attention) are the rows of one `tl.dot`, padded to 16 as the tensor cores need, so each key and value byte is
+  read once for the whole group.
+- The context is split into runs of `split_tokens` (a multiple of the tile), a launch argument fixed by the caller: a
+  CUDA graph captures the grid, so the number of runs must cover the longest sequence the graph will ever see, and a
+  run past a sequence's end returns at once. Each run keeps an online softmax (fp32 running max and sum) and writes
+  its unnormalised output with the max and sum; a second kernel combines a sequence's runs in a fixed order (no
+  atomics: the result does not depend on scheduling). With one run the first kernel normalises and writes itself.
+- A tile of `block_n` tokens gathers its pages through the block table, token by token, so any page size that
+  divides the tile works (vLLM's is 16).
+- fp8 caches (e4m3, one scale per tensor, as vLLM keeps them) and fp8 queries (vLLM quantizes them for FA3) are
+  widened to 16 bits in registers, which is exact; the scales multiply the fp32 scores (queries and keys) and the
+  fp32 output (values), so the products themselves are exact. Probabilities enter the second product in the
+  values' 16-bit type. Zero-length sequences (CUDA-graph padding) give zeros.
+
+With `TRITON_INTERPRET=1` set before import the kernels also run on CPU tensors (`INTERPRETED`); the interpreter's
+16-bit `tl.dot` is wrong, so there both operands are widened to fp32 first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+MIN_DOT_ROWS = 16
+
+
+@triton.jit
+def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                       acc_ptr, stats_ptr, qk_scale, split_tokens, runs,
+                       stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                       stride_table, stride_ot, stride_oh,
+                       GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, ONE_RUN: tl.constexpr, Q_SCALED: tl.constexpr,
+                       KV_SCALED: tl.constexpr, WIDE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    run = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    start = run * split_tokens
+    rows = tl.arange(0, GROUP_ROWS)
+    real_rows = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    if start < seq_len:
+        stop = tl.minimum(seq_len, start + split_tokens)
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=real_rows[:, None],
+                    other=0.0)
+        scale = qk_scale  # softmax scale x log2(e), and the fp8 scales: applied to the fp32 scores
+        if Q_SCALED:
+            scale = scale * tl.load(q_scale_ptr).to(tl.float32)
+        if KV_SCALED:
+            scale = scale * tl.load(k_scale_ptr).to(tl.float32)
+        if WIDE:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(tl.bfloat16)
+        running_max = tl.full((GROUP_ROWS,), float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros((GROUP_ROWS,), dtype=tl.float32)
+        acc = tl.zeros((GROUP_ROWS, HEAD_DIM), dtype=tl.float32)
+        for tile in range(start, stop, BLOCK_N):
+            tokens = tile + tl.arange(0, BLOCK_N)
+            live = tokens < stop
+            pages = tl.load(table_ptr + seq * stride_table + tokens // PAGE, mask=live, other=0).to(tl.int64)
+            slots = tokens % PAGE
+            k = tl.load(k_ptr + (pages * stride_kb + slots * stride_kt + kv_head * stride_kh)[:, None] + dims[None, :],
+                        mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + (pages * stride_vb + slots * stride_vt + kv_head * stride_vh)[:, None] + dims[None, :],
+                        mask=live[:, None], other=0.0)
+            if WIDE:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
+            scores = tl.where(live[None, :], scores * scale, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            probs = tl.exp2(scores - new_max[:, None])
+            decay = tl.exp2(running_max - new_max)
+            running_sum = running_sum * decay + tl.sum(probs, axis=1)
+            if WIDE:
+                acc = acc * decay[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * decay[:, None] + tl.dot(probs.to(tl.bfloat16), v.to(tl.bfloat16))
+            running_max = new_max
+        if KV_SCALED:
+            acc = acc * tl.load(v_scale_ptr).to(tl.float32)
+        if ONE_RUN:
+            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=real_rows[:, None])
+        else:  # acc [seqs, q heads, runs, dims] fp32; stats [seqs, q heads, runs, 2]: max and sum
+            slot = (seq * (tl.num_programs(1) * GROUP) + heads) * runs + run
+            tl.store(acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=real_rows[:, None])
+            tl.store(stats_ptr + slot * 2, running_max, mask=real_rows)
+            tl.store(stats_ptr + slot * 2 + 1, running_sum, mask=real_rows)
+    elif ONE_RUN:  # an empty sequence (CUDA-graph padding): zeros
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 tl.zeros((GROUP_ROWS, HEAD_DIM), dtype=out_ptr.dtype.element_ty), mask=real_rows[:, None])
+
+
+@triton.jit
+def _combine_runs_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, split_tokens, runs, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, RUNS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    used = tl.cdiv(tl.load(lens_ptr + seq), split_tokens)
+    index = tl.arange(0, RUNS)
+    taken = index < used
+    base = (seq * tl.num_programs(1) + head) * runs
+    maxima = tl.load(stats_ptr + (base + index) * 2, mask=taken, other=float("-inf"))
+    sums = tl.load(stats_ptr + (base + index) * 2 + 1, mask=taken, other=0.0)
+    top = tl.max(maxima, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # an empty sequence: no run, and no NaN
+    weights = tl.where(taken, tl.exp2(maxima - top), 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    partial = tl.load(acc_ptr + (base + index)[:, None] * HEAD_DIM + dims[None, :], mask=taken[:, None], other=0.0)
+    total = tl.sum(weights * sums, axis=0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+class DecodeAttentionConfig(NamedTuple):
+    """How one launch is cut: tokens per tile, warps and pipeline stages of a program, and tokens per run of the
+    context (a multiple of the tile; the runs cover the longest sequence the launch may see)."""
+
+    block_n: int
+    warps: int
+    stages: int
+    split_tokens: int
+
+
+def decode_attention_config(max_seq_len: int, sequences: int, kv_heads: int, processors: int) -> DecodeAttentionConfig:
+    """Runs of the context long enough that every program reads at least four tiles, and enough of them that the
+    programs of the longest sequences fill the GPU about four times over."""
+    block_n = 64
+    runs = max(1, min(-(-4 * processors // max(1, sequences * kv_heads)), -(-max_seq_len // (4 * block_n))))
+    split_tokens = -(-max(1, max_seq_len) // runs)
+    split_tokens = -(-split_tokens // block_n) * block_n
+    return DecodeAttentionConfig(block_n, 4, 2, split_tokens)
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, *, softmax_scale: float,
+                           max_seq_len: int, out: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           config: DecodeAttentionConfig | tuple | None = None) -> torch.Tensor:
+    """Attention of `query` [T, Hq, D] (one token per sequence, 16-bit or e4m3 under `q_scale`) over the first
+    `seq_lens[t]` tokens of sequence t in the paged caches [blocks, page, Hkv, D] (16-bit, or e4m3 under `k_scale`
+    and `v_scale`, one-element fp32 tensors) whose pages `block_table` [T, pages] lists. `max_seq_len` bounds every
+    `seq_lens` the launch may see (a CUDA graph replays its grid). Returns `out` [T, Hq, D] (16-bit; required for an
+    e4m3 query)."""
+    tokens, q_heads, head_dim = query.shape
+    _, page, kv_heads, cache_dim = key_cache.shape
+    if cache_dim != head_dim or value_cache.shape != key_cache.shape or q_heads % kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not match caches {tuple(key_cache.shape)} / "
+                         f"{tuple(value_cache.shape)}")
+    if head_dim & (head_dim - 1) or query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("need a power-of-two head size with unit stride in the query and both caches")
+    if (q_scale is not None) != (query.element_size() == 1) or (k_scale is None) != (v_scale is None):
+        raise ValueError("an e4m3 query needs q_scale; e4m3 caches need k_scale and v_scale")
+    if out is None:
+        if query.element_size() == 1:
+            raise ValueError("pass `out` for an e4m3 query")
+        out = torch.empty_like(query)
+    if tokens == 0:
+        return out
+    group = q_heads // kv_heads
+    processors = (torch.cuda.get_device_properties(query.device).multi_processor_count
+                  if query.device.type == "cuda" else 1)
+    tiling = (DecodeAttentionConfig(*config) if config is not None
+              else decode_attention_config(max_seq_len, tokens, kv_heads, processors))
+    if tiling.split_tokens % tiling.block_n or tiling.block_n % page:
+        raise ValueError(f"{tiling}: runs must be whole tiles, tiles whole pages of {page}")
+    runs = max(1, -(-max_seq_len // tiling.split_tokens))
+    one_run = runs == 1
+    if one_run:
+        acc = stats = out
+    else:
+        acc = torch.empty((tokens, q_heads, runs, head_dim), dtype=torch.float32, device=query.device)
+        stats = torch.empty((tokens, q_heads, runs, 2), dtype=torch.float32, device=query.device)
+    dummy = seq_lens  # a pointer for the scales a launch does not read
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    _decode_run_kernel[(tokens, kv_heads, runs)](
+        query, key_cache, value_cache, block_table, lens,
+        q_scale if q_scale is not None else dummy, k_scale if k_scale is not None else dummy,
+        v_scale if v_scale is not None else dummy, out, acc, stats, softmax_scale * LOG2E, tiling.split_tokens, runs,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=tiling.block_n, ONE_RUN=one_run, Q_SCALED=q_scale is not None, KV_SCALED=k_scale is not None,
+        WIDE=INTERPRETED, num_warps=tiling.warps, num_stages=tiling.stages)
+    if not one_run:
+        _combine_runs_kernel[(tokens, q_heads)](acc, stats, lens, out, tiling.split_tokens, runs, out.stride(0),
+                                                out.stride(1), HEAD_DIM=head_dim, RUNS=triton.next_power_of_2(runs))
+    return out

@@ -138,17 +138,19 @@ def test_the_op_takes_the_kernel_and_the_reference_alike_and_refuses_mismatched_
     with pytest.raises(ValueError, match="pass `out`"):
         paged_decode_attention(fp8_query, keys, values, table[:1], lens[:1], softmax_scale=0.3, max_seq_len=64,
                                q_scale=torch.ones(1, device=DEVICE), **scales)
+    with pytest.raises(ValueError, match="an e4m3 query with e4m3 caches"):
+        bf16_keys, bf16_values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+        paged_decode_attention(fp8_query, bf16_keys, bf16_values, table[:1], lens[:1], softmax_scale=0.3,
+                               max_seq_len=64, q_scale=torch.ones(1, device=DEVICE),
+                               out=torch.empty(fp8_query.shape, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="whole tiles"):
         paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=64,
                                config=(32, 4, 2, 48), **scales)
 
 
-def test_the_default_cut_fills_the_gpu_with_whole_tiles():
+def test_the_default_cut_is_whole_tiles_in_runs_of_at_most_256_tokens():
     from trl_turbo.kernels.paged_decode_attention import decode_attention_config
 
-    few = decode_attention_config(2112, sequences=8, kv_heads=8, processors=132)
-    many = decode_attention_config(2112, sequences=64, kv_heads=8, processors=132)
-    assert few.split_tokens % few.block_n == 0 and many.split_tokens % many.block_n == 0
-    runs = lambda config: -(-2112 // config.split_tokens)  # noqa: E731
-    assert runs(few) > runs(many) >= 1 and 8 * 8 * runs(few) >= 4 * 132
-    assert decode_attention_config(16, sequences=64, kv_heads=8, processors=132).split_tokens == 64  # one tile
+    for max_seq_len, split_tokens in ((16, 32), (100, 128), (576, 256), (2112, 256)):
+        config = decode_attention_config(max_seq_len)
+        assert config.split_tokens == split_tokens and config.split_tokens % config.block_n == 0

@@ -70,7 +70,8 @@ def _cell_inputs(sequences: int, context: int, q_heads: int, kv_heads: int, head
     caches = []
     for _ in range(layers):
         kv = torch.randn(blocks, 2, PAGE, kv_heads, head_dim, device=device, generator=generator)
-        caches.append((kv / (4.0 / FP8_MAX)).to(FP8_DTYPE) if fp8 else kv.to(torch.bfloat16))
+        # e4m3 has no infinity: a value past its range would cast to NaN
+        caches.append((kv / (4.0 / FP8_MAX)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE) if fp8 else kv.to(torch.bfloat16))
     query = torch.randn(sequences, q_heads, head_dim, device=device, generator=generator)
     scales = {}
     if fp8:

@@ -148,9 +148,13 @@ def test_the_op_takes_the_kernel_and_the_reference_alike_and_refuses_mismatched_
                                config=(32, 4, 2, 48), **scales)
 
 
-def test_the_default_cut_is_whole_tiles_in_runs_of_at_most_256_tokens():
+def test_the_default_cut_gives_the_gpu_four_programs_per_processor_in_runs_of_whole_tiles():
     from trl_turbo.kernels.paged_decode_attention import decode_attention_config
 
-    for max_seq_len, split_tokens in ((16, 32), (100, 128), (576, 256), (2112, 256)):
-        config = decode_attention_config(max_seq_len)
-        assert config.split_tokens == split_tokens and config.split_tokens % config.block_n == 0
+    many = decode_attention_config(1984, sequences=64, kv_heads=8, processors=132)
+    few = decode_attention_config(1984, sequences=8, kv_heads=8, processors=132)
+    assert (many.block_n, many.split_tokens) == (32, 992)  # two runs: 1024 programs
+    assert few.split_tokens == 224  # nine runs of seven tiles: 576 programs
+    for config in (many, few, decode_attention_config(16, sequences=1, kv_heads=1, processors=132)):
+        assert config.split_tokens % config.block_n == 0
+    assert decode_attention_config(16, sequences=1, kv_heads=1, processors=132).split_tokens == 32  # one tile

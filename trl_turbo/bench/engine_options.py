@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planning.roofline import Generation, decode_bytes
-from ..vllm import fp8_kernel
+from ..vllm import decode_attention, fp8_kernel
 from .decode_profile import format_profile, measure, probe_prompts, short_tokens
 from .gpu_children import child_main, run_jobs, save_row
 from .results import DEFAULT_RESULTS_DIR
@@ -38,6 +38,7 @@ class EngineOption:
     env: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
     turbo_fp8_gemm: bool = False  # trl_turbo's weight-only fp8 GEMM for decode-sized batches (`vllm.fp8_kernel`)
+    turbo_attention: bool = False  # trl_turbo's paged attention for decode steps (`vllm.decode_attention`)
     sampling: dict[str, Any] = field(default_factory=dict)  # `SamplingParams` fields over TRL's (host-side work)
 
     @property
@@ -68,6 +69,10 @@ OPTIONS: dict[str, EngineOption] = {
     "fp8-no-text": EngineOption(FP8, reference="fp8", sampling={"detokenize": False}),
     "fp8-no-text-flat": EngineOption(FP8, reference="fp8", sampling={"detokenize": False, "flat_logprobs": True}),
     "fp8-turbo-gemm": EngineOption({**FP8, **fp8_kernel.engine_arguments()}, reference="fp8", turbo_fp8_gemm=True),
+    # decode steps through trl_turbo's paged attention kernel: no fixed cost per launch for short contexts
+    "bf16-turbo-attention": EngineOption(decode_attention.engine_arguments(), reference="bf16", turbo_attention=True),
+    "fp8-turbo-attention": EngineOption({**FP8, **decode_attention.engine_arguments()}, reference="fp8",
+                                        turbo_attention=True),
 }
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64
@@ -209,6 +214,8 @@ def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
 
     if option.turbo_fp8_gemm:
         fp8_kernel.install()
+    if option.turbo_attention:
+        decode_attention.install()
 
     start = time.perf_counter()
     llm = LLM(model=spec["checkpoint"], dtype="bfloat16", max_model_len=spec["max_model_len"],

@@ -1,0 +1,118 @@
+"""Decode steps of trl_turbo's sampling engine through its own paged attention kernel
+(`ops.paged_decode_attention`), every other batch through vLLM's FlashAttention.
+
+Design decisions:
+- The engine asks for it by an engine argument, `additional_config` (`ENGINE_KEY`), which vLLM hashes into the key
+  of its compiled-graph cache, as `vllm.fp8_kernel` does for its GEMM. FlashAttention's `__init__` marks each
+  attention implementation of an engine that asked (with the engine's `max_model_len`: the kernel's grid must cover
+  every context a CUDA graph replays), and `forward` sends a marked implementation's decode-only batches (one query
+  token per sequence, no cascade, no context parallelism, none of the options the kernel does not implement:
+  sliding windows, ALiBi, soft caps, sinks) to the kernel. Both are replaced once, through the registry.
+- The kernel reads what FA3 reads: the query as vLLM hands it (e4m3 under the layer's query scale where the KV cache
+  is e4m3), the two halves of the layer's cache (viewed as e4m3 where quantized) with the layer's scales, the block
+  table and the sequence lengths; it writes into vLLM's output.
+- A candidate, not what training samples with: nothing in the run plan asks for it until it beats FA3 inside the
+  engine (`bench engine-options --options fp8,fp8-turbo-attention`). Measured so far only outside vLLM
+  (`bench decode-attention`, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from .. import registry
+from ..ops.paged_decode_attention import paged_decode_attention
+
+ENGINE_KEY = "trl_turbo_decode_attention"
+PAGED_TRITON = "paged_triton"
+MARK = "_trl_turbo_decode_attention_max_len"
+
+
+def engine_arguments() -> dict[str, Any]:
+    """The engine arguments that select this kernel for decode steps."""
+    return {"additional_config": {ENGINE_KEY: PAGED_TRITON}}
+
+
+def _flash_attention_impl() -> type:
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    return FlashAttentionImpl
+
+
+def _requested_max_len() -> int | None:
+    """The engine's `max_model_len` when the engine being built asked for the kernel, else None."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    additional = getattr(config, "additional_config", None)
+    if not isinstance(additional, dict) or additional.get(ENGINE_KEY) != PAGED_TRITON:
+        return None
+    return int(config.model_config.max_model_len)
+
+
+def _marking(init: Any) -> Any:
+    @functools.wraps(init)
+    def marked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        max_len = _requested_max_len()
+        if max_len is not None:
+            setattr(self, MARK, max_len)
+
+    return marked_init
+
+
+def _kernel_serves(impl: Any, metadata: Any, output_scale: Any) -> bool:
+    """A decode-only batch of plain causal attention: what the kernel computes exactly as FA3 does."""
+    window = getattr(impl, "sliding_window", None)
+    return (metadata is not None and output_scale is None and getattr(metadata, "max_query_len", None) == 1
+            and not getattr(metadata, "use_cascade", False) and getattr(metadata, "causal", True) is True
+            and getattr(impl, "dcp_world_size", 1) == 1 and getattr(impl, "attn_type", "decoder") == "decoder"
+            and window in (None, (-1, -1), [-1, -1])
+            and getattr(impl, "alibi_slopes", None) is None and not getattr(impl, "logits_soft_cap", None)
+            and getattr(impl, "sinks", None) is None)
+
+
+def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+           output: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The kernel on one decode batch, written into `output` as FA3 would write it."""
+    tokens = metadata.num_actual_tokens
+    key_cache, value_cache = kv_cache.unbind(1)
+    scales: dict[str, torch.Tensor] = {}
+    if query.element_size() == 1:
+        scales["q_scale"] = layer._q_scale
+    if str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8"):
+        fp8 = query.dtype if query.element_size() == 1 else torch.float8_e4m3fn
+        key_cache, value_cache = key_cache.view(fp8), value_cache.view(fp8)
+        scales.update(k_scale=layer._k_scale, v_scale=layer._v_scale)
+    out = output[:tokens].view(tokens, query.shape[1], query.shape[2])
+    paged_decode_attention(query[:tokens], key_cache, value_cache, metadata.block_table[:tokens],
+                           metadata.seq_lens[:tokens], softmax_scale=impl.scale, max_seq_len=max_len, out=out,
+                           **scales)
+    return output
+
+
+def _routing(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def routed_forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
+                       output_block_scale: Any = None) -> torch.Tensor:
+        max_len = getattr(self, MARK, None)
+        if max_len is None or output_block_scale is not None or not _kernel_serves(self, attn_metadata,
+                                                                                   output_scale):
+            return forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                           output_block_scale)
+        return decode(self, layer, query, kv_cache, attn_metadata, output, max_len)
+
+    return routed_forward
+
+
+def install() -> None:
+    """Replace FlashAttention's `__init__` and `forward` (once; `trl_turbo.unpatch()` restores them)."""
+    impl = _flash_attention_impl()
+    if registry.original(impl, "forward") is not impl.__dict__["forward"]:
+        return  # installed already
+    registry.set_attr(impl, "__init__", _marking(impl.__dict__["__init__"]))
+    registry.set_attr(impl, "forward", _routing(impl.__dict__["forward"]))

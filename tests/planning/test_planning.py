@@ -208,7 +208,7 @@ KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-052911", "turbo-fp8")] =
 # which torch still counts) are taken out (+2.3 over the forecast), its cache 3.3 GiB more (65.8 reserved), and the
 # driver counted 5.7 GiB beyond that (CUDA context, vLLM's graph pool, cuBLAS's workspaces), none of which the
 # forecast models. The training phase's peak is 12.3 GiB over the generation's: its ceiling (50.3 GiB, the
-# generation's footprint) cannot hold the 15 GiB of gradients that arrive with the first backward pass.
+# generation's footprint) cannot hold the 15 GiB of gradients every training phase needs.
 KNOWN_MISSES[("e2e-llama-3.1-8b-realistic-full-20261129-092609", "turbo-fp8")] = 0.25
 # Stock's KV pool at TP=4 (Llama-3.3-70B): TRL's 0.3 share less vLLM's weight and KV pools left 1.07 GiB of
 # profiling workspace, against the 2.19 GiB `vllm_profile_bytes` fits to 32 and 64 layers at TP 1 and 2: the pool is

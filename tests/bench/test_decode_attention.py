@@ -11,8 +11,9 @@ from trl_turbo.bench.decode_attention import step_bytes, sweep_configs
 
 def test_a_steps_floor_is_every_live_key_and_value_once_plus_the_query_in_and_out():
     one = step_bytes(64, 1984, 32, 8, 128, 1, 1)
-    assert one == 64 * (2 * 1984 * 8 * 128 + 4 * 32 * 128)
-    assert step_bytes(64, 1984, 32, 8, 128, 2, 1) - one == 64 * 2 * 1984 * 8 * 128  # bf16 doubles the cache
+    assert one == 64 * (2 * 1984 * 8 * 128 + 3 * 32 * 128)  # an e4m3 query in, a bf16 output out
+    # bf16 doubles the cache and the query's bytes
+    assert step_bytes(64, 1984, 32, 8, 128, 2, 1) - one == 64 * (2 * 1984 * 8 * 128 + 32 * 128)
     assert step_bytes(64, 1984, 32, 8, 128, 1, 32) == 32 * one
 
 
@@ -32,4 +33,4 @@ def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(
 def test_the_command_is_registered(capsys):
     with pytest.raises(SystemExit):
         bench_main.main(["decode-attention", "--help"])
-    assert "--cells" in capsys.readouterr().out
+    assert "--max-model-len" in capsys.readouterr().out

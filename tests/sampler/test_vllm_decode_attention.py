@@ -23,12 +23,12 @@ class FlashAttentionImpl:
 
     calls: list[str] = []
 
-    def __init__(self, scale: float, kv_cache_dtype: str = "auto", sliding_window: tuple | None = None):
+    def __init__(self, scale: float, kv_cache_dtype: str = "auto", sliding_window: tuple | None = None, **other):
         self.scale = scale
         self.kv_cache_dtype = kv_cache_dtype
         self.sliding_window = (-1, -1) if sliding_window is None else sliding_window
         self.alibi_slopes, self.logits_soft_cap, self.sinks = None, 0, None
-        self.dcp_world_size, self.attn_type = 1, "decoder"
+        self.dcp_world_size, self.attn_type, self.batch_invariant_enabled = 1, "decoder", False
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -45,9 +45,19 @@ def impl_class(monkeypatch):
     return cls
 
 
+def _engine_config(max_len: int | None) -> types.SimpleNamespace:
+    """The current vLLM config while an engine builds its layers: asking for the kernel, or not."""
+    additional = {decode_attention.ENGINE_KEY: decode_attention.PAGED_TRITON} if max_len is not None else {}
+    return types.SimpleNamespace(additional_config=additional,
+                                 model_config=types.SimpleNamespace(max_model_len=max_len or 4096))
+
+
 def _impl(impl_class, monkeypatch, max_len: int | None, **options):
-    monkeypatch.setattr(decode_attention, "_requested_max_len", lambda: max_len)
-    return impl_class(HEAD_DIM ** -0.5, **options)
+    monkeypatch.setattr(decode_attention, "_current_vllm_config", lambda: _engine_config(max_len))
+    impl = impl_class(HEAD_DIM ** -0.5, **options)
+    for name, value in options.items():  # options the stand-in's constructor does not take
+        setattr(impl, name, value)
+    return impl
 
 
 def _batch(fp8: bool, *, lengths=(5, 40, 0), padded: int = 4, query_len: int = 1, seed: int = 0):
@@ -67,7 +77,8 @@ def _batch(fp8: bool, *, lengths=(5, 40, 0), padded: int = 4, query_len: int = 1
         kv, query = kv.to(torch.bfloat16), query.to(torch.bfloat16)
     table = torch.randperm(blocks, generator=generator)[: 3 * len(lengths)].reshape(len(lengths), 3).to(torch.int32)
     metadata = types.SimpleNamespace(num_actual_tokens=len(lengths), max_query_len=query_len, use_cascade=False,
-                                     causal=True, block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32))
+                                     causal=True, block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32),
+                                     max_seq_len=max(lengths))
     output = torch.full((padded, Q_HEADS * HEAD_DIM), -1.0, dtype=torch.bfloat16)
     return layer, query, kv, metadata, output
 
@@ -97,18 +108,61 @@ def test_other_batches_options_and_engines_keep_flash_attention(impl_class, monk
     layer, query, kv, metadata, output = _batch(False, query_len=2)  # a prefill or mixed batch
     marked.forward(layer, query, None, None, kv, metadata, output)
     layer, query, kv, metadata, output = _batch(False)
-    marked.forward(layer, query, None, None, kv, types.SimpleNamespace(**{**vars(metadata), "use_cascade": True}),
-                   output)
+    for change in ({"use_cascade": True}, {"causal": torch.ones(3, dtype=torch.bool)}):  # cascade; FA4's causal
+        marked.forward(layer, query, None, None, kv, types.SimpleNamespace(**{**vars(metadata), **change}), output)
     marked.forward(layer, query, None, None, kv, None, output)  # vLLM's profiling run
     marked.forward(layer, query, None, None, kv, metadata, output, output_scale=torch.ones(1))
-    windowed = _impl(impl_class, monkeypatch, 128, sliding_window=(31, 0))
-    windowed.forward(layer, query, None, None, kv, metadata, output)
+    marked.forward(layer, query, None, None, kv, metadata, output, output_block_scale=torch.ones(1))
+    options = [{"sliding_window": (31, 0)}, {"alibi_slopes": torch.ones(Q_HEADS)}, {"logits_soft_cap": 30.0},
+               {"sinks": torch.zeros(Q_HEADS)}, {"dcp_world_size": 2}, {"batch_invariant_enabled": True},
+               {"attn_type": "encoder_decoder"}]
+    for option in options:
+        _impl(impl_class, monkeypatch, 128, **option).forward(layer, query, None, None, kv, metadata, output)
+    per_head = types.SimpleNamespace(**{**vars(layer), "_k_scale": torch.ones(KV_HEADS)})  # per-head fp8 scales
+    marked.forward(per_head, query, None, None, kv, metadata, output)
+    odd_heads = torch.zeros(4, Q_HEADS, 24, dtype=torch.bfloat16)  # a head size the kernel does not take
+    odd_cache = torch.zeros(kv.shape[:-1] + (24,), dtype=torch.bfloat16)
+    marked.forward(layer, odd_heads, None, None, odd_cache, metadata, output)
     plain = _impl(impl_class, monkeypatch, None)
     assert not hasattr(plain, decode_attention.MARK)
     plain.forward(layer, query, None, None, kv, metadata, output)
-    assert FlashAttentionImpl.calls == ["flash"] * 6
+    assert FlashAttentionImpl.calls == ["flash"] * (6 + len(options) + 3)
 
 
-def test_the_request_is_an_engine_argument_vllm_hashes():
+def test_an_eager_launch_is_cut_for_its_batch_and_a_captured_one_for_the_engine(impl_class, monkeypatch):
+    impl = _impl(impl_class, monkeypatch, 4096)
+    layer, query, kv, metadata, output = _batch(False)
+    seen = []
+    monkeypatch.setattr(decode_attention, "paged_decode_attention",
+                        lambda *args, **kwargs: seen.append((kwargs["max_seq_len"], kwargs["config"])))
+    impl.forward(layer, query, None, None, kv, metadata, output)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    decode_attention.decode(impl, layer, query, kv, metadata, output, 4096)
+    assert seen == [(40, None), (4096, decode_attention.graph_decode_attention_config())]
+
+
+def test_the_request_is_an_engine_argument_vllm_hashes_and_install_is_undone_by_unpatch(monkeypatch):
     assert decode_attention.engine_arguments() == {
         "additional_config": {decode_attention.ENGINE_KEY: decode_attention.PAGED_TRITON}}
+    assert decode_attention.requested_max_len(_engine_config(2112)) == 2112
+    assert decode_attention.requested_max_len(_engine_config(None)) is None
+    assert decode_attention.requested_max_len(types.SimpleNamespace(additional_config=None)) is None
+    import trl_turbo
+    from trl_turbo import registry
+
+    cls = type("Impl", (FlashAttentionImpl,), {"__init__": FlashAttentionImpl.__init__,
+                                                "forward": FlashAttentionImpl.forward})
+    monkeypatch.setattr(decode_attention, "_flash_attention_impl", lambda: cls)
+    original_init, original_forward = cls.__dict__["__init__"], cls.__dict__["forward"]
+    try:
+        decode_attention.install()
+        routed = cls.__dict__["forward"]
+        assert routed is not original_forward and routed.__wrapped__ is original_forward
+        decode_attention.install()  # once
+        assert cls.__dict__["forward"] is routed
+    finally:
+        for name in ("__init__", "forward"):
+            registry.restore_attr(cls, name)
+    assert cls.__dict__["__init__"] is original_init and cls.__dict__["forward"] is original_forward
+    assert callable(trl_turbo.unpatch)

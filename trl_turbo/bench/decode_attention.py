@@ -11,6 +11,8 @@ Design decisions:
   query before the call; that kernel is not timed, for either candidate). trl_turbo's kernel reads the same inputs.
 - The floor is the bytes a step must move (every live key and value once, the query in and the output out) at the
   read bandwidth measured in the same command. Each candidate's output is compared with the fp32 reference.
+- Inside the engine a CUDA graph captures the kernel once for the engine's longest context and replays it on every
+  shorter one; `--max-model-len` times that launch too, beside the ones cut for the cell's own context.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ SWEEP_RUNS = (1, 2, 4, 8, 16)
 
 def step_bytes(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, cache_bytes: int,
                layers: int) -> int:
-    """What one decode step's attention must move: every live key and value once, 16-bit query in and out."""
-    per_layer = sequences * (2 * context * kv_heads * head_dim * cache_bytes + 2 * 2 * q_heads * head_dim)
+    """What one decode step's attention must move: every live key and value once, the query in (e4m3 with an e4m3
+    cache, as vLLM hands it) and the 16-bit output out."""
+    per_layer = sequences * (2 * context * kv_heads * head_dim * cache_bytes + (cache_bytes + 2) * q_heads * head_dim)
     return per_layer * layers
 
 
@@ -114,7 +117,7 @@ def _fa3_calls(cell: dict[str, Any], context: int, head_dim: int) -> list[Any] |
     return calls
 
 
-def _turbo_calls(cell: dict[str, Any], context: int, head_dim: int, config: DecodeAttentionConfig | None) -> list:
+def _turbo_calls(cell: dict[str, Any], max_seq_len: int, head_dim: int, config: DecodeAttentionConfig | None) -> list:
     from ..kernels.paged_decode_attention import paged_decode_attention
 
     calls = []
@@ -122,7 +125,7 @@ def _turbo_calls(cell: dict[str, Any], context: int, head_dim: int, config: Deco
         keys, values = kv.unbind(1)
         calls.append(lambda keys=keys, values=values: paged_decode_attention(
             cell["query"], keys, values, cell["table"], cell["lens"], softmax_scale=head_dim ** -0.5,
-            max_seq_len=context, out=cell["out"], config=config, **cell["scales"]))
+            max_seq_len=max_seq_len, out=cell["out"], config=config, **cell["scales"]))
     return calls
 
 
@@ -132,15 +135,19 @@ def _error(calls: list, cell: dict[str, Any], exact: Any) -> float:
 
 
 def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, fp8: bool, layers: int,
-                 device: Any, budget_s: float) -> dict[str, Any]:
+                 device: Any, budget_s: float, max_model_len: int | None = None) -> dict[str, Any]:
     """Seconds per layer of each candidate on one cell, their largest error against the fp32 reference, and the
-    sweep's cuts sorted fastest first (as many as `budget_s` allows)."""
+    sweep's cuts sorted fastest first (as many as `budget_s` allows). With `max_model_len`, also the kernel as a
+    CUDA graph of the engine captures it: its grid covering that many tokens in runs of a fixed length."""
+    import torch
+
+    from ..kernels.paged_decode_attention import graph_decode_attention_config
     from ..ops.paged_decode_attention import reference
 
     cell = _cell_inputs(sequences, context, q_heads, kv_heads, head_dim, fp8, layers, device)
     keys, values = cell["caches"][0].unbind(1)
     exact = reference(cell["query"], keys, values, cell["table"], cell["lens"], softmax_scale=head_dim ** -0.5,
-                      **cell["scales"]).float()
+                      out=torch.empty(cell["query"].shape, device=device), **cell["scales"])
     seconds, errors = {}, {}
     fa3 = _fa3_calls(cell, context, head_dim)
     if fa3 is not None:
@@ -149,6 +156,10 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     default = _turbo_calls(cell, context, head_dim, None)
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
+    if max_model_len is not None:
+        captured = _turbo_calls(cell, max_model_len, head_dim, graph_decode_attention_config())
+        errors["turbo, engine graph cut"] = _error(captured, cell, exact)
+        seconds["turbo, engine graph cut"] = graph_seconds_per_call(captured)
     started, sweep = time.monotonic(), []
     configs = sweep_configs(context)
     for config in configs:
@@ -193,7 +204,7 @@ def run(args: argparse.Namespace) -> Path:
     bandwidth = hardware["read_bytes_per_s"]
     config = {"shape": args.shape, "tp": args.tp, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": spec.head_dim,
               "layers": spec.layers, "cells": cells, "caches": dtypes, "page": PAGE, "fa3_splits": FA3_SPLITS,
-              "sweep_budget_s": args.sweep_budget_s}
+              "sweep_budget_s": args.sweep_budget_s, "max_model_len": args.max_model_len}
     meta = {**metadata("decode-attention", device, config), "hardware": hardware}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +213,7 @@ def run(args: argparse.Namespace) -> Path:
     for dtype, (sequences, context) in itertools.product(dtypes, cells):
         fp8 = dtype == "fp8"
         measured = measure_cell(sequences, context, q_heads, kv_heads, spec.head_dim, fp8, spec.layers, device,
-                                args.sweep_budget_s)
+                                args.sweep_budget_s, args.max_model_len)
         floor = step_bytes(sequences, context, q_heads, kv_heads, spec.head_dim, 1 if fp8 else 2, 1) / bandwidth
         measured["step_ms"] = {name: 1e3 * s * spec.layers for name, s in measured["seconds"].items()}
         measured["read_fraction"] = {name: floor / s for name, s in measured["seconds"].items()}
@@ -232,5 +243,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated SEQUENCESxCONTEXT cells")
     parser.add_argument("--caches", default="fp8,bf16", help="comma-separated among bf16,fp8")
     parser.add_argument("--sweep-budget-s", type=float, default=8.0, help="seconds of sweep per cell")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="also time the kernel as the engine's CUDA graphs capture it for this longest context")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)

@@ -12,8 +12,8 @@ H200) and reads long fp8 caches at about half the bandwidth. Design decisions:
   run past a sequence's end returns at once. Each run keeps an online softmax (fp32 running max and sum) and writes
   its unnormalised output with the max and sum; a second kernel combines a sequence's runs in a fixed order (no
   atomics: the result does not depend on scheduling). With one run the first kernel normalises and writes itself.
-- A tile of `block_n` tokens gathers its pages through the block table, token by token, so any page size that
-  divides the tile works (vLLM's is 16).
+- A tile of `block_n` tokens gathers its pages through the block table, token by token, so any page size works
+  (vLLM's is 16).
 - fp8 caches (e4m3, one scale per tensor, as vLLM keeps them) and fp8 queries (vLLM quantizes them for FA3) are
   widened in registers to fp16, which holds every e4m3 value exactly and which Hopper converts to in one instruction
   (to bf16 it takes several: an fp8 cache read that way ran slower than a bf16 one); the scales multiply the fp32
@@ -37,7 +37,16 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 MIN_DOT_ROWS = 16
+E4M3 = torch.float8_e4m3fn
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# A CUDA graph serves every context up to the engine's longest: runs of this many tokens (the best timed run length at
+# 512-1984 tokens), the programs past a sequence's end exiting at once
+GRAPH_SPLIT_TOKENS = 256
+
+
+def supported_head_dim(head_dim: int) -> bool:
+    """Head sizes the kernel takes: powers of two the tensor cores' dot accepts."""
+    return head_dim >= MIN_DOT_ROWS and not head_dim & (head_dim - 1)
 
 
 @triton.jit
@@ -117,7 +126,7 @@ def _combine_runs_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, split_tokens, ru
                          HEAD_DIM: tl.constexpr, RUNS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    used = tl.cdiv(tl.load(lens_ptr + seq), split_tokens)
+    used = tl.minimum(tl.cdiv(tl.load(lens_ptr + seq), split_tokens), runs)  # runs cover `max_seq_len` only
     index = tl.arange(0, RUNS)
     taken = index < used
     base = (seq * tl.num_programs(1) + head) * runs
@@ -141,6 +150,12 @@ class DecodeAttentionConfig(NamedTuple):
     warps: int
     stages: int
     split_tokens: int
+
+
+def graph_decode_attention_config() -> DecodeAttentionConfig:
+    """The cut for a launch a CUDA graph captures, whose grid must cover the engine's longest context while the
+    contexts it replays on are mostly shorter: 32-token tiles in runs of `GRAPH_SPLIT_TOKENS`."""
+    return DecodeAttentionConfig(32, 4, 2, GRAPH_SPLIT_TOKENS)
 
 
 def decode_attention_config(max_seq_len: int, sequences: int, kv_heads: int, processors: int) -> DecodeAttentionConfig:
@@ -170,17 +185,25 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if cache_dim != head_dim or value_cache.shape != key_cache.shape or q_heads % kv_heads:
         raise ValueError(f"query {tuple(query.shape)} does not match caches {tuple(key_cache.shape)} / "
                          f"{tuple(value_cache.shape)}")
-    if head_dim & (head_dim - 1) or query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
-        raise ValueError("need a power-of-two head size with unit stride in the query and both caches")
-    if (q_scale is not None) != (query.element_size() == 1) or (k_scale is None) != (v_scale is None):
-        raise ValueError("an e4m3 query needs q_scale; e4m3 caches need k_scale and v_scale")
-    if key_cache.dtype not in _DOT_TYPES and key_cache.element_size() != 1 or (
-            query.element_size() == 1 and key_cache.element_size() != 1):
-        raise ValueError(f"caches are bf16, fp16 or e4m3 (an e4m3 query with e4m3 caches), got {key_cache.dtype}")
+    if not supported_head_dim(head_dim) or query.stride(2) != 1 or key_cache.stride(3) != 1 or (
+            value_cache.stride(3) != 1 or block_table.stride(1) != 1):
+        raise ValueError(f"need a power-of-two head size of at least {MIN_DOT_ROWS} (got {head_dim}), unit stride in "
+                         "the query, both caches and the block table")
+    e4m3_query, e4m3_cache = query.dtype == E4M3, key_cache.dtype == E4M3
+    if (key_cache.dtype not in _DOT_TYPES and not e4m3_cache) or value_cache.dtype != key_cache.dtype or (
+            e4m3_query and not e4m3_cache) or (query.dtype not in _DOT_TYPES and not e4m3_query):
+        raise ValueError(f"query and caches are bf16, fp16 or e4m3 (an e4m3 query with e4m3 caches), got "
+                         f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    if (q_scale is not None) != e4m3_query or (k_scale is None) != (v_scale is None) or (k_scale is None) == e4m3_cache:
+        raise ValueError("an e4m3 query needs q_scale; e4m3 caches need k_scale and v_scale, others none")
+    if any(scale is not None and scale.numel() != 1 for scale in (q_scale, k_scale, v_scale)):
+        raise ValueError("the scales are one per tensor (one element each)")
     if out is None:
-        if query.element_size() == 1:
+        if e4m3_query:
             raise ValueError("pass `out` for an e4m3 query")
         out = torch.empty_like(query)
+    if out.shape != query.shape or out.stride(2) != 1:
+        raise ValueError(f"`out` must be {tuple(query.shape)} with unit stride in its last dimension")
     if tokens == 0:
         return out
     group = q_heads // kv_heads
@@ -190,9 +213,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         processors = (torch.cuda.get_device_properties(query.device).multi_processor_count
                       if query.device.type == "cuda" else 1)
         tiling = decode_attention_config(max_seq_len, tokens, kv_heads, processors)
-    e4m3 = query.element_size() == 1 or key_cache.element_size() == 1
-    if tiling.split_tokens % tiling.block_n or tiling.block_n % page:
-        raise ValueError(f"{tiling}: runs must be whole tiles, tiles whole pages of {page}")
+    if tiling.split_tokens % tiling.block_n:
+        raise ValueError(f"{tiling}: runs must be whole tiles")
     runs = max(1, -(-max_seq_len // tiling.split_tokens))
     one_run = runs == 1
     if one_run:
@@ -211,7 +233,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=tiling.block_n, ONE_RUN=one_run, Q_SCALED=q_scale is not None, KV_SCALED=k_scale is not None,
-        DOT_TYPE=tl.float16 if e4m3 else _DOT_TYPES[key_cache.dtype], WIDE=INTERPRETED, num_warps=tiling.warps,
+        DOT_TYPE=tl.float16 if e4m3_cache else _DOT_TYPES[key_cache.dtype], WIDE=INTERPRETED, num_warps=tiling.warps,
         num_stages=tiling.stages)
     if not one_run:
         _combine_runs_kernel[(tokens, q_heads)](acc, stats, lens, out, tiling.split_tokens, runs, out.stride(0),

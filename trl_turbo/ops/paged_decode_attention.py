@@ -22,21 +22,22 @@ _backend = TritonOrTorch(_triton_decode)
 _force_backend = _backend.force  # tests: "triton" or "torch" regardless of device
 
 
-def _widened(tensor: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    wide = tensor.float()
-    return wide if scale is None else wide * scale.float()
-
-
 def reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
               seq_lens: torch.Tensor, *, softmax_scale: float, out: torch.Tensor | None = None,
               q_scale: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-              v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of each query token over its sequence's first `seq_lens[t]` cached tokens, in fp32,
-    rounded once into `out` (or a tensor like the query); zeros for an empty sequence."""
+              v_scale: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Softmax attention of each query token over its sequence's first `seq_lens[t]` cached tokens, in
+    `compute_dtype` (tests: fp64), rounded once into `out` (or a tensor like a 16-bit query, bf16 for an e4m3 one);
+    zeros for an empty sequence."""
     tokens, q_heads, head_dim = query.shape
     page, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = q_heads // kv_heads
-    result = torch.zeros((tokens, q_heads, head_dim), dtype=torch.float32, device=query.device)
+
+    def _widened(tensor: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        wide = tensor.to(compute_dtype)
+        return wide if scale is None else wide * scale.to(compute_dtype)
+
+    result = torch.zeros((tokens, q_heads, head_dim), dtype=compute_dtype, device=query.device)
     q = _widened(query, q_scale)
     for t, length in enumerate(seq_lens.tolist()):
         if length == 0:
@@ -49,7 +50,7 @@ def reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
         scores = torch.einsum("hd,lhd->hl", q[t], keys) * softmax_scale
         result[t] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values)
     if out is None:
-        return result.to(query.dtype)
+        return result.to(query.dtype if query.element_size() > 1 else torch.bfloat16)
     out.copy_(result)
     return out
 
@@ -58,17 +59,25 @@ def _fp8_capable(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def kernel_serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` runs the Triton kernel on these inputs (Triton usable on their device, e4m3
+    in hardware where they are e4m3, a head size the kernel takes) rather than the reference."""
+    e4m3 = query.element_size() == 1 or key_cache.element_size() == 1
+    return (_backend.use_triton(query.device) and (not e4m3 or _fp8_capable(query.device))
+            and _triton_decode.supported_head_dim(query.shape[-1]))
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, *, softmax_scale: float,
                            max_seq_len: int, out: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel where it runs (Triton usable here, e4m3 in hardware where anything is e4m3), else `reference`;
-    arguments as `kernels.paged_decode_attention.paged_decode_attention`."""
-    e4m3 = query.element_size() == 1 or key_cache.element_size() == 1
-    if _backend.use_triton(query.device) and (not e4m3 or _fp8_capable(query.device)):
+                           v_scale: torch.Tensor | None = None,
+                           config: tuple | None = None) -> torch.Tensor:
+    """The kernel where it serves (`kernel_serves`), else `reference`; arguments as
+    `kernels.paged_decode_attention.paged_decode_attention`."""
+    if kernel_serves(query, key_cache):
         return _triton_decode.paged_decode_attention(
             query, key_cache, value_cache, block_table, seq_lens, softmax_scale=softmax_scale,
-            max_seq_len=max_seq_len, out=out, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+            max_seq_len=max_seq_len, out=out, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, config=config)
     return reference(query, key_cache, value_cache, block_table, seq_lens, softmax_scale=softmax_scale, out=out,
                      q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)

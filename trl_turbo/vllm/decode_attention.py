@@ -6,8 +6,12 @@ Design decisions:
   of its compiled-graph cache, as `vllm.fp8_kernel` does for its GEMM. FlashAttention's `__init__` marks each
   attention implementation of an engine that asked (with the engine's `max_model_len`: the kernel's grid must cover
   every context a CUDA graph replays), and `forward` sends a marked implementation's decode-only batches (one query
-  token per sequence, no cascade, no context parallelism, none of the options the kernel does not implement:
-  sliding windows, ALiBi, soft caps, sinks) to the kernel. Both are replaced once, through the registry.
+  token per sequence, no cascade, no context parallelism, no batch invariance, one scale per tensor, a head size and
+  device the Triton kernel takes, none of the options it does not implement: sliding windows, ALiBi, soft caps,
+  sinks) to the kernel. Both are replaced once, through the registry.
+- A launch that a CUDA graph captures covers the engine's longest context in runs of a fixed length (programs past
+  a sequence's end exit at once), since the graph replays it on every later context; an eager launch (piecewise
+  graphs run attention eagerly) is cut for its batch's longest sequence.
 - The kernel reads what FA3 reads: the query as vLLM hands it (e4m3 under the layer's query scale where the KV cache
   is e4m3), the two halves of the layer's cache (viewed as e4m3 where quantized) with the layer's scales, the block
   table and the sequence lengths; it writes into vLLM's output.
@@ -24,7 +28,8 @@ from typing import Any
 import torch
 
 from .. import registry
-from ..ops.paged_decode_attention import paged_decode_attention
+from ..kernels.paged_decode_attention import graph_decode_attention_config
+from ..ops.paged_decode_attention import kernel_serves, paged_decode_attention
 
 ENGINE_KEY = "trl_turbo_decode_attention"
 PAGED_TRITON = "paged_triton"
@@ -42,11 +47,14 @@ def _flash_attention_impl() -> type:
     return FlashAttentionImpl
 
 
-def _requested_max_len() -> int | None:
-    """The engine's `max_model_len` when the engine being built asked for the kernel, else None."""
+def _current_vllm_config() -> Any:
     from vllm.config import get_current_vllm_config
 
-    config = get_current_vllm_config()
+    return get_current_vllm_config()
+
+
+def requested_max_len(config: Any) -> int | None:
+    """The engine's `max_model_len` where the engine `config` describes asked for the kernel, else None."""
     additional = getattr(config, "additional_config", None)
     if not isinstance(additional, dict) or additional.get(ENGINE_KEY) != PAGED_TRITON:
         return None
@@ -57,28 +65,37 @@ def _marking(init: Any) -> Any:
     @functools.wraps(init)
     def marked_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        max_len = _requested_max_len()
+        max_len = requested_max_len(_current_vllm_config())
         if max_len is not None:
             setattr(self, MARK, max_len)
 
     return marked_init
 
 
-def _kernel_serves(impl: Any, metadata: Any, output_scale: Any) -> bool:
-    """A decode-only batch of plain causal attention: what the kernel computes exactly as FA3 does."""
+def _kernel_serves(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+                   output_scale: Any) -> bool:
+    """A decode-only batch of plain causal attention that the Triton kernel runs: the attention FA3 computes, up to
+    rounding (with an e4m3 cache FA3 rounds the probabilities to e4m3, the kernel to fp16)."""
     window = getattr(impl, "sliding_window", None)
+    scales = [getattr(layer, name, None) for name in ("_q_scale", "_k_scale", "_v_scale")]
     return (metadata is not None and output_scale is None and getattr(metadata, "max_query_len", None) == 1
             and not getattr(metadata, "use_cascade", False) and getattr(metadata, "causal", True) is True
             and getattr(impl, "dcp_world_size", 1) == 1 and getattr(impl, "attn_type", "decoder") == "decoder"
-            and window in (None, (-1, -1), [-1, -1])
-            and getattr(impl, "alibi_slopes", None) is None and not getattr(impl, "logits_soft_cap", None)
-            and getattr(impl, "sinks", None) is None)
+            and window in (None, (-1, -1), [-1, -1]) and getattr(impl, "alibi_slopes", None) is None
+            and not getattr(impl, "logits_soft_cap", None) and getattr(impl, "sinks", None) is None
+            and not getattr(impl, "batch_invariant_enabled", False)
+            and all(scale is None or scale.numel() == 1 for scale in scales)  # not per-head scales
+            and kernel_serves(query, kv_cache))
 
 
 def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
            output: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The kernel on one decode batch, written into `output` as FA3 would write it."""
+    """The kernel on one decode batch, written into `output` as FA3 would write it. A launch a CUDA graph captures
+    covers the engine's longest context (`max_len`) in runs of a fixed length; an eager one is cut for this batch's
+    longest sequence."""
     tokens = metadata.num_actual_tokens
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    longest, config = (max_len, graph_decode_attention_config()) if capturing else (metadata.max_seq_len, None)
     key_cache, value_cache = kv_cache.unbind(1)
     scales: dict[str, torch.Tensor] = {}
     if query.element_size() == 1:
@@ -89,8 +106,8 @@ def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, m
         scales.update(k_scale=layer._k_scale, v_scale=layer._v_scale)
     out = output[:tokens].view(tokens, query.shape[1], query.shape[2])
     paged_decode_attention(query[:tokens], key_cache, value_cache, metadata.block_table[:tokens],
-                           metadata.seq_lens[:tokens], softmax_scale=impl.scale, max_seq_len=max_len, out=out,
-                           **scales)
+                           metadata.seq_lens[:tokens], softmax_scale=impl.scale, max_seq_len=longest, out=out,
+                           config=config, **scales)
     return output
 
 
@@ -100,8 +117,8 @@ def _routing(forward: Any) -> Any:
                        kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
                        output_block_scale: Any = None) -> torch.Tensor:
         max_len = getattr(self, MARK, None)
-        if max_len is None or output_block_scale is not None or not _kernel_serves(self, attn_metadata,
-                                                                                   output_scale):
+        if max_len is None or output_block_scale is not None or not _kernel_serves(
+                self, layer, query, kv_cache, attn_metadata, output_scale):
             return forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                            output_block_scale)
         return decode(self, layer, query, kv_cache, attn_metadata, output, max_len)

@@ -9,9 +9,9 @@ Design decisions:
   token per sequence, no cascade, no context parallelism, no batch invariance, one scale per tensor, a head size and
   device the Triton kernel takes, none of the options it does not implement: sliding windows, ALiBi, soft caps,
   sinks) to the kernel. Both are replaced once, through the registry.
-- A launch that a CUDA graph captures covers the engine's longest context in runs of a fixed length (programs past
-  a sequence's end exit at once), since the graph replays it on every later context; an eager launch (piecewise
-  graphs run attention eagerly) is cut for its batch's longest sequence.
+- Every launch covers the engine's longest context in runs of a fixed length (programs past a sequence's end exit
+  at once): a CUDA graph replays its capture on every later context, and the eager warm-up runs before a capture
+  compile the very kernel the capture launches (Triton compiling inside a capture would fail).
 - The kernel reads what FA3 reads: the query as vLLM hands it (e4m3 under the layer's query scale where the KV cache
   is e4m3), the two halves of the layer's cache (viewed as e4m3 where quantized) with the layer's scales, the block
   table and the sequence lengths; it writes into vLLM's output.
@@ -90,12 +90,9 @@ def _kernel_serves(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.T
 
 def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
            output: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The kernel on one decode batch, written into `output` as FA3 would write it. A launch a CUDA graph captures
-    covers the engine's longest context (`max_len`) in runs of a fixed length; an eager one is cut for this batch's
-    longest sequence."""
+    """The kernel on one decode batch, written into `output` as FA3 would write it, its grid covering the engine's
+    longest context (`max_len`) in runs of a fixed length."""
     tokens = metadata.num_actual_tokens
-    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-    longest, config = (max_len, graph_decode_attention_config()) if capturing else (metadata.max_seq_len, None)
     key_cache, value_cache = kv_cache.unbind(1)
     scales: dict[str, torch.Tensor] = {}
     if query.element_size() == 1:
@@ -106,8 +103,8 @@ def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, m
         scales.update(k_scale=layer._k_scale, v_scale=layer._v_scale)
     out = output[:tokens].view(tokens, query.shape[1], query.shape[2])
     paged_decode_attention(query[:tokens], key_cache, value_cache, metadata.block_table[:tokens],
-                           metadata.seq_lens[:tokens], softmax_scale=impl.scale, max_seq_len=longest, out=out,
-                           config=config, **scales)
+                           metadata.seq_lens[:tokens], softmax_scale=impl.scale, max_seq_len=max_len, out=out,
+                           config=graph_decode_attention_config(), **scales)
     return output
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planning.roofline import Generation, decode_bytes
-from ..vllm import decode_attention, fp8_kernel
+from ..vllm import decode_attention, engine_request, fp8_kernel
 from .decode_profile import format_profile, measure, probe_prompts, short_tokens
 from .gpu_children import child_main, run_jobs, save_row
 from .results import DEFAULT_RESULTS_DIR
@@ -68,11 +68,12 @@ OPTIONS: dict[str, EngineOption] = {
     # flat lists instead of a dict and an object per token (fewer objects for the garbage collector to walk)
     "fp8-no-text": EngineOption(FP8, reference="fp8", sampling={"detokenize": False}),
     "fp8-no-text-flat": EngineOption(FP8, reference="fp8", sampling={"detokenize": False, "flat_logprobs": True}),
-    "fp8-turbo-gemm": EngineOption({**FP8, **fp8_kernel.engine_arguments()}, reference="fp8", turbo_fp8_gemm=True),
+    "fp8-turbo-gemm": EngineOption(engine_request.combined(FP8, fp8_kernel.engine_arguments()), reference="fp8",
+                                   turbo_fp8_gemm=True),
     # decode steps through trl_turbo's paged attention kernel: no fixed cost per launch for short contexts
     "bf16-turbo-attention": EngineOption(decode_attention.engine_arguments(), reference="bf16", turbo_attention=True),
-    "fp8-turbo-attention": EngineOption({**FP8, **decode_attention.engine_arguments()}, reference="fp8",
-                                        turbo_attention=True),
+    "fp8-turbo-attention": EngineOption(engine_request.combined(FP8, decode_attention.engine_arguments()),
+                                        reference="fp8", turbo_attention=True),
 }
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64

@@ -2,8 +2,8 @@
 (`ops.paged_decode_attention`), every other batch through vLLM's FlashAttention.
 
 Design decisions:
-- The engine asks for it by an engine argument, `additional_config` (`ENGINE_KEY`), which vLLM hashes into the key
-  of its compiled-graph cache, as `vllm.fp8_kernel` does for its GEMM. FlashAttention's `__init__` marks each
+- The engine asks for it by an engine argument (`engine_request`, under `ENGINE_KEY`), which vLLM hashes into the
+  key of its compiled-graph cache, as `vllm.fp8_kernel` does for its GEMM. FlashAttention's `__init__` marks each
   attention implementation of an engine that asked (with the engine's `max_model_len`: the kernel's grid must cover
   every context a CUDA graph replays), and `forward` sends a marked implementation's decode-only batches (one query
   token per sequence, no cascade, no context parallelism, no batch invariance, one scale per tensor, a head size and
@@ -30,6 +30,7 @@ import torch
 from .. import registry
 from ..kernels.paged_decode_attention import graph_decode_attention_config
 from ..ops.paged_decode_attention import kernel_serves, paged_decode_attention
+from . import engine_request
 
 ENGINE_KEY = "trl_turbo_decode_attention"
 PAGED_TRITON = "paged_triton"
@@ -38,7 +39,7 @@ MARK = "_trl_turbo_decode_attention_max_len"
 
 def engine_arguments() -> dict[str, Any]:
     """The engine arguments that select this kernel for decode steps."""
-    return {"additional_config": {ENGINE_KEY: PAGED_TRITON}}
+    return engine_request.arguments(ENGINE_KEY, PAGED_TRITON)
 
 
 def _flash_attention_impl() -> type:
@@ -48,15 +49,12 @@ def _flash_attention_impl() -> type:
 
 
 def _current_vllm_config() -> Any:
-    from vllm.config import get_current_vllm_config
-
-    return get_current_vllm_config()
+    return engine_request.current_config()
 
 
 def requested_max_len(config: Any) -> int | None:
     """The engine's `max_model_len` where the engine `config` describes asked for the kernel, else None."""
-    additional = getattr(config, "additional_config", None)
-    if not isinstance(additional, dict) or additional.get(ENGINE_KEY) != PAGED_TRITON:
+    if not engine_request.asked(config, ENGINE_KEY, PAGED_TRITON):
         return None
     return int(config.model_config.max_model_len)
 

@@ -2,9 +2,8 @@
 (`ops.fp8_linear`).
 
 Design decisions:
-- The engine asks for it by an engine argument, `additional_config` (`ENGINE_KEY`), which vLLM hashes into the key
-  of its compiled-graph cache: a graph compiled with this GEMM is never loaded by an engine without it, nor the
-  other way round.
+- The engine asks for it by an engine argument (`engine_request`, under `ENGINE_KEY`), which vLLM hashes into the
+  key of its compiled-graph cache.
 - vLLM traces and captures its model while `LLM()` is built, so the choice is made while its layers are created:
   `create_weights` of vLLM's online per-tensor fp8 method marks each layer of an engine that asked, and the method's
   `apply` sends a marked layer's product to the `trl_turbo::fp8_linear` op (opaque to vLLM's compiler, so CUDA
@@ -25,6 +24,7 @@ import torch
 
 from .. import registry
 from ..ops import fp8_linear as _registers_the_op  # noqa: F401  (torch.ops.trl_turbo.fp8_linear)
+from . import engine_request
 
 ENGINE_KEY = "trl_turbo_fp8_linear"
 WEIGHT_ONLY_DECODE = "weight_only_decode"
@@ -33,7 +33,7 @@ LAYER_MARK = "_trl_turbo_weight_only_decode"
 
 def engine_arguments() -> dict[str, Any]:
     """The engine arguments that select this GEMM."""
-    return {"additional_config": {ENGINE_KEY: WEIGHT_ONLY_DECODE}}
+    return engine_request.arguments(ENGINE_KEY, WEIGHT_ONLY_DECODE)
 
 
 def _online_fp8_method() -> type:
@@ -43,10 +43,7 @@ def _online_fp8_method() -> type:
 
 
 def _requested() -> bool:
-    from vllm.config import get_current_vllm_config
-
-    additional = getattr(get_current_vllm_config(), "additional_config", None)
-    return isinstance(additional, dict) and additional.get(ENGINE_KEY) == WEIGHT_ONLY_DECODE
+    return engine_request.asked(engine_request.current_config(), ENGINE_KEY, WEIGHT_ONLY_DECODE)
 
 
 def _marking(create_weights: Any) -> Any:

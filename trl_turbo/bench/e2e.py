@@ -53,7 +53,7 @@ from .. import registry
 from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
-from . import decode_profile, parse_turbo_overrides, peers
+from . import decode_profile, engine_requests, parse_turbo_overrides, peers
 from .gpu_children import SINGLE_GPU, free_port, launch_command, visible_devices
 from .hardware import measure_apart as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
@@ -345,6 +345,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
 
     variant = spec["variant"]
     set_patched(variant != "stock")
+    if variant != "stock" and spec.get("engine_requests"):
+        engine_requests.apply(spec["engine_requests"])
     from trl import GRPOConfig, GRPOTrainer
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
@@ -588,6 +590,8 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
+    if args.engine_request and not any(v in VARIANT_CONFIG and v != "stock" for v in variants):
+        raise SystemExit("--engine-request asks the turbo variants' engines for a kernel: add a turbo variant")
     if args.warmup < 0:
         raise SystemExit(f"--warmup {args.warmup}: a number of steps, 0 or more")
     if args.steps <= args.warmup:
@@ -648,6 +652,7 @@ def run(args: argparse.Namespace) -> Path:
               "dtype": "bfloat16",
               "quantization": args.quantization, "quantization_config": QUANTIZATIONS[args.quantization] or None,
               "side_by_side": args.side_by_side, "launches": launches, "profile_decode": args.profile_decode,
+              "engine_requests": args.engine_request,
               "profile_context": args.profile_context,
               "processes_per_launch": {launch: 1 if launch == SINGLE_GPU else
                                        args.processes[0] if len(args.processes) == 1 else args.processes
@@ -864,6 +869,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "variant's engine (kernel time by class per decode step; `decode_profile`)")
     parser.add_argument("--profile-context", type=int, default=decode_profile.PROBE_CONTEXT, metavar="TOKENS",
                         help="the profiled generations' prompt length: their decode steps run at this context")
+    parser.add_argument("--engine-request", action="append", default=[], choices=sorted(engine_requests.REQUESTS),
+                        help="the turbo variants' engines ask for this candidate kernel of trl_turbo's (repeatable; "
+                             "`bench engine-options` measures it alone)")
     parser.add_argument("--variant-timeout", type=float, default=1200.0, help="seconds before a variant is stopped")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")
     parser.set_defaults(func=run)

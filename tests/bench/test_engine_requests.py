@@ -1,0 +1,37 @@
+"""`bench e2e --engine-request`: in a turbo variant's child the candidate kernel's seam is installed and the engine
+arguments trl_turbo hands vLLM gain its request, beside the run plan's own; stock-only commands are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_turbo import registry
+from trl_turbo.bench import e2e, engine_requests
+from trl_turbo.patches import trl_vllm
+from trl_turbo.vllm import decode_attention, fp8_kernel
+
+
+def test_the_engines_ask_for_the_requested_kernels_beside_the_plans_own_arguments(monkeypatch):
+    installed = []
+    monkeypatch.setattr(decode_attention, "install", lambda: installed.append("decode-attention"))
+    monkeypatch.setattr(fp8_kernel, "install", lambda: installed.append("fp8-gemm"))
+    monkeypatch.setattr(trl_vllm, "engine_kwargs", lambda *args, **kwargs: {"quantization": "fp8"})
+    try:
+        engine_requests.apply(["decode-attention", "fp8-gemm"])
+        assert installed == ["decode-attention", "fp8-gemm"]
+        assert trl_vllm.engine_kwargs(None, None, None, None, False) == {
+            "quantization": "fp8", "additional_config": {decode_attention.ENGINE_KEY: decode_attention.PAGED_TRITON,
+                                                         fp8_kernel.ENGINE_KEY: fp8_kernel.WEIGHT_ONLY_DECODE}}
+    finally:
+        registry.restore_attr(trl_vllm, "engine_kwargs")
+    with pytest.raises(ValueError, match="unknown engine requests"):
+        engine_requests.apply(["flash-decoding"])
+
+
+def test_a_command_without_a_turbo_variant_is_refused(tmp_path):
+    parser = e2e.argparse.ArgumentParser()
+    e2e.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["e2e", "--shape", "llama-3.1-8b", "--variants", "stock", "--engine-request",
+                              "decode-attention", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="add a turbo variant"):
+        e2e.run(args)

@@ -1,0 +1,38 @@
+"""`bench e2e --engine-request NAME`: the turbo variants' engines ask for one of trl_turbo's candidate kernels inside
+vLLM (`vllm.decode_attention`, `vllm.fp8_kernel`), so that a kernel which won `bench engine-options` is measured in
+whole GRPO steps before the run plan asks for it.
+
+Design decision: a benchmark's lever, not a GRPOConfig field: nothing a user sets selects a candidate that has not
+won. In the variant's child process the kernel's seam is installed and the engine arguments trl_turbo hands vLLM
+gain the request (`vllm.engine_request.combined`), for the rest of that process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from .. import registry
+from ..vllm import engine_request
+
+# request name -> the module of its seam, under trl_turbo.vllm
+REQUESTS = {"decode-attention": "decode_attention", "fp8-gemm": "fp8_kernel"}
+
+
+def apply(names: Sequence[str]) -> None:
+    """Install the seams of `names` and make every engine trl_turbo builds in this process ask for them."""
+    from ..patches import trl_vllm
+
+    unknown = sorted(set(names) - set(REQUESTS))
+    if unknown:
+        raise ValueError(f"unknown engine requests {unknown}; choose from {sorted(REQUESTS)}")
+    seams = [importlib.import_module(f"trl_turbo.vllm.{REQUESTS[name]}") for name in names]
+    for seam in seams:
+        seam.install()
+    planned = trl_vllm.engine_kwargs
+
+    def with_requests(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return engine_request.combined(planned(*args, **kwargs), *(seam.engine_arguments() for seam in seams))
+
+    registry.set_attr(trl_vllm, "engine_kwargs", with_requests)

@@ -21,11 +21,15 @@ def test_a_steps_floor_is_every_live_key_and_value_once_plus_the_query_in_and_ou
 def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(context):
     configs = sweep_configs(context)
     assert len(set(configs)) == len(configs) and configs == sweep_configs(context)  # the same order every run
-    for block_n, _, _, split_tokens in configs:
+    for block_n, _, _, split_tokens, _ in configs:
         assert split_tokens % block_n == 0 and block_n % 16 == 0
         runs = -(-context // split_tokens)
         assert runs * split_tokens >= context and (runs - 1) * split_tokens < context
     assert {config.block_n for config in configs} == {16, 32, 64, 128}
+    assert not any(config.fp8_scores for config in configs)  # a 16-bit cell: no e4m3 scores
+    fp8 = sweep_configs(context, fp8=True)
+    assert {config._replace(fp8_scores=False) for config in fp8} == set(configs)  # each cut with and without them
+    assert len(fp8) == 2 * len(configs)
     most_runs = max(-(-context // config.split_tokens) for config in configs)
     assert most_runs == (1 if context <= 16 else min(16, -(-context // 16)))
 

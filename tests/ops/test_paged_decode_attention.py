@@ -99,6 +99,24 @@ def test_the_kernel_is_within_the_naive_error_of_the_exact_attention(cache, conf
 
 
 @needs_triton
+def test_e4m3_scores_are_within_the_naive_error_and_need_an_e4m3_query():
+    from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
+
+    lengths = [1, 17, 0, 95, 48, 130]
+    query, keys, values, table, lens, scales = _case(lengths, fp8_cache=True, fp8_query=True, seed=11)
+    out = torch.empty(query.shape, dtype=torch.bfloat16, device=DEVICE)
+    for config in ((32, 4, 2, 64, True), (16, 4, 1, 256, True)):  # several runs and one
+        result = paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.2, max_seq_len=130,
+                                        out=out, config=config, **scales)
+        assert_within_naive_error(result, _naive(query, keys, values, table, lens, scales, 0.2),
+                                  _exact(query, keys, values, table, lens, scales, 0.2), what=str(config))
+    bf16_query, *_ = _case(lengths, fp8_cache=True, seed=11)
+    with pytest.raises(ValueError, match="e4m3 scores need an e4m3 query"):
+        paged_decode_attention(bf16_query, keys, values, table, lens, softmax_scale=0.2, max_seq_len=130,
+                               config=(32, 4, 2, 64, True), k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+
+
+@needs_triton
 def test_runs_combine_to_what_one_run_computes_and_the_grid_covers_max_seq_len():
     from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
 

@@ -46,14 +46,15 @@ def step_bytes(sequences: int, context: int, q_heads: int, kv_heads: int, head_d
     return per_layer * layers
 
 
-def sweep_configs(context: int) -> list[DecodeAttentionConfig]:
+def sweep_configs(context: int, fp8: bool = False) -> list[DecodeAttentionConfig]:
     """Tile sizes, warps, stages and run counts (runs of whole tiles covering `context`; rounding up to whole tiles
-    may leave fewer runs, and equal cuts are tried once), in a fixed shuffled order so that a sweep its budget cuts
-    short has sampled every dimension."""
+    may leave fewer runs, and equal cuts are tried once), for an e4m3 cell with and without e4m3 scores, in a fixed
+    shuffled order so that a sweep its budget cuts short has sampled every dimension."""
     configs = set()
-    for block_n, warps, stages, runs in itertools.product(SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, SWEEP_RUNS):
+    for block_n, warps, stages, runs, fp8_scores in itertools.product(
+            SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, SWEEP_RUNS, (False, True) if fp8 else (False,)):
         per_run = math.ceil(context / runs)
-        configs.add(DecodeAttentionConfig(block_n, warps, stages, math.ceil(per_run / block_n) * block_n))
+        configs.add(DecodeAttentionConfig(block_n, warps, stages, math.ceil(per_run / block_n) * block_n, fp8_scores))
     ordered = sorted(configs)
     random.Random(0).shuffle(ordered)
     return ordered
@@ -148,7 +149,7 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     keys, values = cell["caches"][0].unbind(1)
     exact = reference(cell["query"], keys, values, cell["table"], cell["lens"], softmax_scale=head_dim ** -0.5,
                       out=torch.empty(cell["query"].shape, device=device), **cell["scales"])
-    seconds, errors = {}, {}
+    seconds, errors, failed = {}, {}, {}
     fa3 = _fa3_calls(cell, context, head_dim)
     if fa3 is not None:
         errors["FA3 (vLLM)"] = _error(fa3, cell, exact)
@@ -157,11 +158,18 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
     if max_model_len is not None:
-        captured = _turbo_calls(cell, max_model_len, head_dim, graph_decode_attention_config())
-        errors["turbo, engine graph cut"] = _error(captured, cell, exact)
-        seconds["turbo, engine graph cut"] = graph_seconds_per_call(captured)
+        cuts = {"turbo, engine graph cut": graph_decode_attention_config()}
+        if fp8:
+            cuts["turbo, engine graph cut, e4m3 scores"] = graph_decode_attention_config()._replace(fp8_scores=True)
+        for name, cut in cuts.items():
+            captured = _turbo_calls(cell, max_model_len, head_dim, cut)
+            try:
+                error = _error(captured, cell, exact)
+                seconds[name], errors[name] = graph_seconds_per_call(captured), error
+            except Exception as failure:  # a cut Triton cannot build here: recorded, the cell goes on
+                failed[name] = str(failure).splitlines()[0][:200]
     started, sweep = time.monotonic(), []
-    configs = sweep_configs(context)
+    configs = sweep_configs(context, fp8)
     for config in configs:
         if time.monotonic() - started > budget_s:
             break
@@ -177,7 +185,7 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     if timed:
         seconds["turbo, best cut"] = timed[0]["seconds"]
         errors["turbo, best cut"] = timed[0]["max_abs_error"]
-    return {"seconds": seconds, "max_abs_error": errors, "sweep": timed,
+    return {"seconds": seconds, "max_abs_error": errors, "failed": failed, "sweep": timed,
             "sweep_failed": [entry for entry in sweep if "error" in entry],
             "sweep_complete": len(sweep) == len(configs)}
 

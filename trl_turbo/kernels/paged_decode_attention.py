@@ -17,9 +17,10 @@ layer alone and 31 us inside vLLM) and reads long fp8 caches at 55-58% of the ba
 - fp8 caches (e4m3, one scale per tensor, as vLLM keeps them) and fp8 queries (vLLM quantizes them for FA3) are
   widened in registers to fp16, which holds every e4m3 value exactly and which Hopper converts to in one instruction
   (to bf16 it takes several: an fp8 cache read that way ran slower than a bf16 one); the scales multiply the fp32
-  scores (queries and keys) and the fp32 output (values), so the products themselves are exact. Probabilities enter
-  the second product in the dot's 16-bit type (fp16 for e4m3, else the cache's). Zero-length sequences (CUDA-graph
-  padding) give zeros.
+  scores (queries and keys) and the fp32 output (values), so the products themselves are exact. A cut may instead
+  take the scores from e4m3 products of an e4m3 query and keys (`fp8_scores`: exact too, no key widened), a
+  candidate for `bench decode-attention`'s sweep. Probabilities enter the second product in the dot's 16-bit type
+  (fp16 for e4m3, else the cache's). Zero-length sequences (CUDA-graph padding) give zeros.
 
 With `TRITON_INTERPRET=1` set before import the kernels also run on CPU tensors (`INTERPRETED`); the interpreter's
 16-bit `tl.dot` is wrong, so there both operands are widened to fp32 first.
@@ -56,7 +57,8 @@ def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_
                        stride_table, stride_ot, stride_oh,
                        GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                        BLOCK_N: tl.constexpr, ONE_RUN: tl.constexpr, Q_SCALED: tl.constexpr,
-                       KV_SCALED: tl.constexpr, DOT_TYPE: tl.constexpr, WIDE: tl.constexpr):
+                       KV_SCALED: tl.constexpr, DOT_TYPE: tl.constexpr, FP8_SCORES: tl.constexpr,
+                       WIDE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     run = tl.program_id(2)
@@ -77,7 +79,7 @@ def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_
             scale = scale * tl.load(k_scale_ptr).to(tl.float32)
         if WIDE:
             q = q.to(tl.float32)
-        else:
+        elif not FP8_SCORES:  # else an e4m3 query meets the e4m3 keys as they are
             q = q.to(DOT_TYPE)
         running_max = tl.full((GROUP_ROWS,), float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros((GROUP_ROWS,), dtype=tl.float32)
@@ -93,6 +95,8 @@ def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_
                         mask=live[:, None], other=0.0)
             if WIDE:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            elif FP8_SCORES:
+                scores = tl.dot(q, tl.trans(k))
             else:
                 scores = tl.dot(q, tl.trans(k.to(DOT_TYPE)))
             scores = tl.where(live[None, :], scores * scale, float("-inf"))
@@ -143,13 +147,16 @@ def _combine_runs_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, split_tokens, ru
 
 
 class DecodeAttentionConfig(NamedTuple):
-    """How one launch is cut: tokens per tile, warps and pipeline stages of a program, and tokens per run of the
-    context (a multiple of the tile; the runs cover the longest sequence the launch may see)."""
+    """How one launch is cut: tokens per tile, warps and pipeline stages of a program, tokens per run of the context
+    (a multiple of the tile; the runs cover the longest sequence the launch may see), and, for an e4m3 query over
+    e4m3 keys, whether the scores come from e4m3 products on the tensor cores (the same exact products, no key
+    widened; FA3's way) instead of fp16 ones."""
 
     block_n: int
     warps: int
     stages: int
     split_tokens: int
+    fp8_scores: bool = False
 
 
 def graph_decode_attention_config() -> DecodeAttentionConfig:
@@ -215,6 +222,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         tiling = decode_attention_config(max_seq_len, tokens, kv_heads, processors)
     if tiling.split_tokens % tiling.block_n:
         raise ValueError(f"{tiling}: runs must be whole tiles")
+    if tiling.fp8_scores and not e4m3_query:
+        raise ValueError(f"{tiling}: e4m3 scores need an e4m3 query and e4m3 keys")
     runs = max(1, -(-max_seq_len // tiling.split_tokens))
     one_run = runs == 1
     if one_run:
@@ -233,8 +242,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=tiling.block_n, ONE_RUN=one_run, Q_SCALED=q_scale is not None, KV_SCALED=k_scale is not None,
-        DOT_TYPE=tl.float16 if e4m3_cache else _DOT_TYPES[key_cache.dtype], WIDE=INTERPRETED, num_warps=tiling.warps,
-        num_stages=tiling.stages)
+        DOT_TYPE=tl.float16 if e4m3_cache else _DOT_TYPES[key_cache.dtype], FP8_SCORES=tiling.fp8_scores,
+        WIDE=INTERPRETED, num_warps=tiling.warps, num_stages=tiling.stages)
     if not one_run:
         _combine_runs_kernel[(tokens, q_heads)](acc, stats, lens, out, tiling.split_tokens, runs, out.stride(0),
                                                 out.stride(1), HEAD_DIM=head_dim, RUNS=triton.next_power_of_2(runs))

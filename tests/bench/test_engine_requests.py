@@ -28,10 +28,25 @@ def test_the_engines_ask_for_the_requested_kernels_beside_the_plans_own_argument
         engine_requests.apply(["flash-decoding"])
 
 
-def test_a_command_without_a_turbo_variant_is_refused(tmp_path):
+def test_a_command_without_a_turbo_variant_or_fp8_sampling_for_the_fp8_gemm_is_refused(tmp_path):
     parser = e2e.argparse.ArgumentParser()
     e2e.add_parser(parser.add_subparsers())
     args = parser.parse_args(["e2e", "--shape", "llama-3.1-8b", "--variants", "stock", "--engine-request",
                               "decode-attention", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="add a turbo variant"):
         e2e.run(args)
+    args = parser.parse_args(["e2e", "--shape", "llama-3.1-8b", "--variants", "stock,turbo", "--engine-request",
+                              "fp8-gemm", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="add the turbo-fp8 variant"):  # the GEMM of fp8 sampling only
+        e2e.run(args)
+
+
+def test_each_row_says_which_requests_its_engine_made():
+    spec = {"variant": "turbo-fp8", "shape": "llama-3.1-8b", "quantization": "none", "launch": "1gpu",
+            "generations": 8, "prompts": 1, "micro_batch": 8, "prompt_len": 64, "completion_len": 512,
+            "engine_requests": ["decode-attention"]}
+    assert e2e.new_row(spec)["engine_requests"] == ["decode-attention"]
+    assert e2e.new_row({**spec, "variant": "stock"})["engine_requests"] == []
+    assert e2e.new_row({**spec, "variant": "unsloth"})["engine_requests"] == []
+    assert e2e.new_row({key: value for key, value in spec.items() if key != "engine_requests"})[
+        "engine_requests"] == []

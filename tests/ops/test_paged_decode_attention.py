@@ -100,6 +100,8 @@ def test_the_kernel_is_within_the_naive_error_of_the_exact_attention(cache, conf
 
 @needs_triton
 def test_e4m3_scores_are_within_the_naive_error_and_need_an_e4m3_query():
+    """The accuracy half runs the e4m3 products on a GPU only: Triton's interpreter widens every operand to fp32
+    (there it checks the cut's runs); the refusals run everywhere."""
     from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
 
     lengths = [1, 17, 0, 95, 48, 130]
@@ -114,6 +116,10 @@ def test_e4m3_scores_are_within_the_naive_error_and_need_an_e4m3_query():
     with pytest.raises(ValueError, match="e4m3 scores need an e4m3 query"):
         paged_decode_attention(bf16_query, keys, values, table, lens, softmax_scale=0.2, max_seq_len=130,
                                config=(32, 4, 2, 64, True), k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+    with pytest.raises(ValueError, match="head size of at least 32"):  # an e4m3 product's shared dimension
+        paged_decode_attention(query[..., :16], keys[..., :16], values[..., :16], table, lens, softmax_scale=0.2,
+                               max_seq_len=130, out=out[..., :16].contiguous(), config=(32, 4, 2, 64, True),
+                               **scales)
 
 
 @needs_triton

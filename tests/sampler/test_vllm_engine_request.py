@@ -22,3 +22,17 @@ def test_requests_combine_in_one_additional_config_and_are_read_back_per_key():
     first = fp8_kernel.engine_arguments()
     engine_request.combined(first, decode_attention.engine_arguments())
     assert first == fp8_kernel.engine_arguments()  # the inputs are left as they were
+
+
+def test_a_missing_config_counts_as_none_and_a_conflict_or_a_non_dict_is_refused():
+    import pytest
+
+    assert engine_request.combined({"additional_config": None}, fp8_kernel.engine_arguments()) == \
+        fp8_kernel.engine_arguments()
+    assert engine_request.combined(fp8_kernel.engine_arguments(), fp8_kernel.engine_arguments()) == \
+        fp8_kernel.engine_arguments()  # the same request twice is one
+    with pytest.raises(ValueError, match="asked as"):
+        engine_request.combined(fp8_kernel.engine_arguments(),
+                                engine_request.arguments(fp8_kernel.ENGINE_KEY, "something else"))
+    with pytest.raises(TypeError, match="must be a dict"):
+        engine_request.combined({"additional_config": "json text"}, fp8_kernel.engine_arguments())

@@ -167,7 +167,7 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
                 error = _error(captured, cell, exact)
                 seconds[name], errors[name] = graph_seconds_per_call(captured), error
             except Exception as failure:  # a cut Triton cannot build here: recorded, the cell goes on
-                failed[name] = str(failure).splitlines()[0][:200]
+                failed[name] = (str(failure) or repr(failure)).splitlines()[0][:200]
     started, sweep = time.monotonic(), []
     configs = sweep_configs(context, fp8)
     for config in configs:
@@ -178,7 +178,7 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
             error = _error(calls, cell, exact)
             per_call = graph_seconds_per_call(calls)
         except Exception as failure:  # a cut whose shared memory does not fit: the sweep goes on
-            sweep.append({"config": config._asdict(), "error": str(failure).splitlines()[0][:200]})
+            sweep.append({"config": config._asdict(), "error": (str(failure) or repr(failure)).splitlines()[0][:200]})
             continue
         sweep.append({"config": config._asdict(), "seconds": per_call, "max_abs_error": error})
     timed = sorted((entry for entry in sweep if "seconds" in entry), key=lambda entry: entry["seconds"])

@@ -292,7 +292,13 @@ def new_row(spec: dict[str, Any], **extra: Any) -> dict[str, Any]:
             "micro_batch": spec["micro_batch"], "prompt_len": spec["prompt_len"],
             "completion_len": spec["completion_len"], "ok": False, "error": None,
             "rank": int(os.environ.get("RANK", 0)), "processes": int(os.environ.get("WORLD_SIZE", 1)),
-            "vllm_tp": spec.get("vllm_tp", 1)}
+            "vllm_tp": spec.get("vllm_tp", 1),
+            "engine_requests": list(spec.get("engine_requests") or []) if takes_requests(spec["variant"]) else []}
+
+
+def takes_requests(variant: str) -> bool:
+    """Whether `--engine-request` reaches this variant's engine: trl_turbo's variants, not stock's or a peer's."""
+    return variant in VARIANT_CONFIG and variant != "stock"
 
 
 def others_before(spec: dict[str, Any], device: Any) -> int:
@@ -345,7 +351,7 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
 
     variant = spec["variant"]
     set_patched(variant != "stock")
-    if variant != "stock" and spec.get("engine_requests"):
+    if takes_requests(variant) and spec.get("engine_requests"):
         engine_requests.apply(spec["engine_requests"])
     from trl import GRPOConfig, GRPOTrainer
 
@@ -590,8 +596,10 @@ def run(args: argparse.Namespace) -> Path:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(variants) - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {VARIANTS}")
-    if args.engine_request and not any(v in VARIANT_CONFIG and v != "stock" for v in variants):
+    if args.engine_request and not any(takes_requests(v) for v in variants):
         raise SystemExit("--engine-request asks the turbo variants' engines for a kernel: add a turbo variant")
+    if "fp8-gemm" in args.engine_request and "turbo-fp8" not in variants:
+        raise SystemExit("--engine-request fp8-gemm replaces the GEMM of fp8 sampling: add the turbo-fp8 variant")
     if args.warmup < 0:
         raise SystemExit(f"--warmup {args.warmup}: a number of steps, 0 or more")
     if args.steps <= args.warmup:
@@ -666,6 +674,7 @@ def run(args: argparse.Namespace) -> Path:
         "" if launches == [SINGLE_GPU] or args.vllm_tp == 1 else f"-tp{args.vllm_tp}")
     preset = ("" if args.preset == "anchor" else f"-{args.preset}") + ("-full" if args.full_finetuning else "")
     capped = "" if args.gpu_gib is None else f"-cap{args.gpu_gib:g}gib"
+    capped += "".join(f"-{name}" for name in sorted(set(args.engine_request)))  # rows that asked for a candidate
     stem = f"e2e-{args.shape}{preset}{quantized}{several}{capped}-{time.strftime('%Y%m%d-%H%M%S')}"
     jobs = [(launch, count, variant) for launch in launches
             for count in ([1] if launch == SINGLE_GPU else args.processes) for variant in variants]

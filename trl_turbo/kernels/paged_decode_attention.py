@@ -18,8 +18,9 @@ layer alone and 31 us inside vLLM) and reads long fp8 caches at 55-58% of the ba
   widened in registers to fp16, which holds every e4m3 value exactly and which Hopper converts to in one instruction
   (to bf16 it takes several: an fp8 cache read that way ran slower than a bf16 one); the scales multiply the fp32
   scores (queries and keys) and the fp32 output (values), so the products themselves are exact. A cut may instead
-  take the scores from e4m3 products of an e4m3 query and keys (`fp8_scores`: exact too, no key widened), a
-  candidate for `bench decode-attention`'s sweep. Probabilities enter the second product in the dot's 16-bit type
+  take the scores from e4m3 products of an e4m3 query and keys (`fp8_scores`: exact products, no key widened, which
+  Hopper's fp8 tensor cores may sum at reduced precision, as in FA3), a candidate for `bench decode-attention`'s
+  sweep. Probabilities enter the second product in the dot's 16-bit type
   (fp16 for e4m3, else the cache's). Zero-length sequences (CUDA-graph padding) give zeros.
 
 With `TRITON_INTERPRET=1` set before import the kernels also run on CPU tensors (`INTERPRETED`); the interpreter's
@@ -38,6 +39,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 MIN_DOT_ROWS = 16
+MIN_FP8_DOT_DEPTH = 32  # an e4m3 product's shared dimension
 E4M3 = torch.float8_e4m3fn
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # A CUDA graph serves every context up to the engine's longest: runs of this many tokens (the run length of most of
@@ -150,7 +152,7 @@ class DecodeAttentionConfig(NamedTuple):
     """How one launch is cut: tokens per tile, warps and pipeline stages of a program, tokens per run of the context
     (a multiple of the tile; the runs cover the longest sequence the launch may see), and, for an e4m3 query over
     e4m3 keys, whether the scores come from e4m3 products on the tensor cores (the same exact products, no key
-    widened; FA3's way) instead of fp16 ones."""
+    widened, summed at the tensor cores' fp8 precision; FA3's way) instead of fp16 ones."""
 
     block_n: int
     warps: int
@@ -222,8 +224,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         tiling = decode_attention_config(max_seq_len, tokens, kv_heads, processors)
     if tiling.split_tokens % tiling.block_n:
         raise ValueError(f"{tiling}: runs must be whole tiles")
-    if tiling.fp8_scores and not e4m3_query:
-        raise ValueError(f"{tiling}: e4m3 scores need an e4m3 query and e4m3 keys")
+    if tiling.fp8_scores and (not e4m3_query or head_dim < MIN_FP8_DOT_DEPTH):
+        raise ValueError(f"{tiling}: e4m3 scores need an e4m3 query and e4m3 keys, and a head size of at least "
+                         f"{MIN_FP8_DOT_DEPTH} (got {head_dim})")
     runs = max(1, -(-max_seq_len // tiling.split_tokens))
     one_run = runs == 1
     if one_run:

@@ -20,14 +20,23 @@ def arguments(key: str, value: str) -> dict[str, Any]:
 
 
 def combined(*engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Engine arguments merged left to right, their `additional_config` entries merged too."""
+    """Engine arguments merged left to right, their `additional_config` dicts merged entry by entry (None counts as
+    none); two different values for one entry are an error, not a silent choice."""
     merged: dict[str, Any] = {}
     for kwargs in engine_kwargs:
         for name, value in kwargs.items():
-            if name == ADDITIONAL_CONFIG and isinstance(merged.get(name), dict):
-                merged[name] = {**merged[name], **value}
-            else:
-                merged[name] = dict(value) if name == ADDITIONAL_CONFIG else value
+            if name != ADDITIONAL_CONFIG:
+                merged[name] = value
+                continue
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise TypeError(f"{ADDITIONAL_CONFIG} must be a dict to combine requests, got {type(value).__name__}")
+            entries = merged.setdefault(ADDITIONAL_CONFIG, {})
+            for key, entry in value.items():
+                if key in entries and entries[key] != entry:
+                    raise ValueError(f"{ADDITIONAL_CONFIG}[{key!r}] asked as {entries[key]!r} and as {entry!r}")
+                entries[key] = entry
     return merged
 
 

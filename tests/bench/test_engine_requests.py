@@ -50,3 +50,30 @@ def test_each_row_says_which_requests_its_engine_made():
     assert e2e.new_row({**spec, "variant": "unsloth"})["engine_requests"] == []
     assert e2e.new_row({key: value for key, value in spec.items() if key != "engine_requests"})[
         "engine_requests"] == []
+
+
+def test_the_request_reaches_the_engine_trl_builds(monkeypatch):
+    """Through trl_turbo's wrapper of TRL's `_init_vllm`, on a stand-in of TRL's module and its `LLM`."""
+    import sys
+    import types
+
+    from trl_turbo import versions
+
+    module = types.ModuleType("stand_in_trl_generation")
+    module.LLM = lambda **kwargs: kwargs
+
+    def init_vllm(self):
+        self.llm = sys.modules[module.__name__].LLM(model="some/model", seed=0)
+
+    init_vllm.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(versions, "installed_version", lambda package: {"vllm": "0.24.0"}.get(package))
+    monkeypatch.setattr(decode_attention, "install", lambda: None)
+    generation = types.SimpleNamespace(mode="colocate", accelerator=types.SimpleNamespace(mixed_precision="bf16"))
+    try:
+        engine_requests.apply(["decode-attention"])
+        trl_vllm._wrap_init_vllm(init_vllm)(generation)
+    finally:
+        registry.restore_attr(trl_vllm, "engine_kwargs")
+    assert generation.llm["additional_config"] == {decode_attention.ENGINE_KEY: decode_attention.PAGED_TRITON}
+    assert generation.llm["dtype"] == "bfloat16" and generation.llm["seed"] == 0  # the plan's and TRL's stay

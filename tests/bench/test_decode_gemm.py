@@ -53,3 +53,24 @@ def test_without_a_gpu_it_refuses_before_measuring():
     args = argparse.Namespace(shape="llama-3.1-8b", linears=None, rows="8", sweep_budget_s=1.0, out="/tmp/unused")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         decode_gemm.run(args)
+
+
+def test_a_timed_sweep_sorts_what_ran_records_what_raised_and_stops_at_its_budget():
+    from trl_turbo.bench.decode_gemm import LaunchConfig, timed_sweep
+
+    configs = [LaunchConfig(64, 128, 4, 3, split) for split in (1, 2, 4, 8)]
+
+    def time_one(config):
+        if config.split_k == 2:
+            raise AssertionError  # no message: the record names the exception
+        if config.split_k == 4:
+            raise RuntimeError("out of resource: shared memory\nmore detail")
+        return 1.0 / config.split_k, 0.5
+
+    swept = timed_sweep(configs, time_one, budget_s=60.0)
+    assert [entry["config"]["split_k"] for entry in swept["sweep"]] == [8, 1]  # fastest first
+    assert [entry["error"] for entry in swept["sweep_failed"]] == ["AssertionError()",
+                                                                   "out of resource: shared memory"]
+    assert swept["sweep_complete"] and swept["sweep"][0]["max_abs_error"] == 0.5
+    assert timed_sweep(configs, time_one, budget_s=-1.0) == {"sweep": [], "sweep_failed": [],
+                                                               "sweep_complete": False}

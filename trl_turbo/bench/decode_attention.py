@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kernels.paged_decode_attention import DecodeAttentionConfig
-from .decode_gemm import graph_seconds_per_call
+from .decode_gemm import failure_line, graph_seconds_per_call, timed_sweep
 from .results import DEFAULT_RESULTS_DIR
 
 PAGE = 16
@@ -167,27 +167,18 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
                 error = _error(captured, cell, exact)
                 seconds[name], errors[name] = graph_seconds_per_call(captured), error
             except Exception as failure:  # a cut Triton cannot build here: recorded, the cell goes on
-                failed[name] = (str(failure) or repr(failure)).splitlines()[0][:200]
-    started, sweep = time.monotonic(), []
-    configs = sweep_configs(context, fp8)
-    for config in configs:
-        if time.monotonic() - started > budget_s:
-            break
+                failed[name] = failure_line(failure)
+
+    def time_one(config: DecodeAttentionConfig) -> tuple[float, float]:
         calls = _turbo_calls(cell, context, head_dim, config)
-        try:
-            error = _error(calls, cell, exact)
-            per_call = graph_seconds_per_call(calls)
-        except Exception as failure:  # a cut whose shared memory does not fit: the sweep goes on
-            sweep.append({"config": config._asdict(), "error": (str(failure) or repr(failure)).splitlines()[0][:200]})
-            continue
-        sweep.append({"config": config._asdict(), "seconds": per_call, "max_abs_error": error})
-    timed = sorted((entry for entry in sweep if "seconds" in entry), key=lambda entry: entry["seconds"])
-    if timed:
-        seconds["turbo, best cut"] = timed[0]["seconds"]
-        errors["turbo, best cut"] = timed[0]["max_abs_error"]
-    return {"seconds": seconds, "max_abs_error": errors, "failed": failed, "sweep": timed,
-            "sweep_failed": [entry for entry in sweep if "error" in entry],
-            "sweep_complete": len(sweep) == len(configs)}
+        error = _error(calls, cell, exact)
+        return graph_seconds_per_call(calls), error
+
+    swept = timed_sweep(sweep_configs(context, fp8), time_one, budget_s)
+    if swept["sweep"]:
+        seconds["turbo, best cut"] = swept["sweep"][0]["seconds"]
+        errors["turbo, best cut"] = swept["sweep"][0]["max_abs_error"]
+    return {"seconds": seconds, "max_abs_error": errors, "failed": failed, **swept}
 
 
 def run(args: argparse.Namespace) -> Path:

@@ -118,23 +118,38 @@ def measure_layer(n: int, k: int, rows: int, device: Any, budget_s: float) -> di
     seconds["turbo weight-only, default tiling"] = graph_seconds_per_call(
         [lambda w=w: fp8_rows_matmul(x, w, scale, config=default) for w in fp8])
     reference = x.float() @ (fp8[0].float() * scale).T
-    configs = sweep_configs(n, k, most_programs)
+
+    def time_one(config: LaunchConfig) -> tuple[float, float]:
+        error = (fp8_rows_matmul(x, fp8[0], scale, config=config).float() - reference).abs().max().item()
+        return graph_seconds_per_call([lambda w=w: fp8_rows_matmul(x, w, scale, config=config) for w in fp8]), error
+
+    swept = timed_sweep(sweep_configs(n, k, most_programs), time_one, budget_s)
+    if swept["sweep"]:
+        seconds["turbo weight-only, best tiling"] = swept["sweep"][0]["seconds"]
+    return {"seconds": seconds, "default_config": default._asdict(), **swept}
+
+
+def failure_line(failure: BaseException) -> str:
+    """The first line of what a failed candidate raised (its type where it says nothing), for the results."""
+    return (str(failure) or repr(failure)).splitlines()[0][:200]
+
+
+def timed_sweep(configs: list[Any], time_one: Callable[[Any], tuple[float, float]],
+                budget_s: float) -> dict[str, Any]:
+    """Each of `configs` (NamedTuples) through `time_one` (its seconds per call and largest error), in order until
+    `budget_s` has passed: the timed ones fastest first (`sweep`), those that raised with their first line (a tiling
+    Triton cannot build here: the sweep goes on), and whether every one was tried."""
     started, sweep = time.monotonic(), []
     for config in configs:
         if time.monotonic() - started > budget_s:
             break
         try:
-            error = (fp8_rows_matmul(x, fp8[0], scale, config=config).float() - reference).abs().max().item()
-            per_call = graph_seconds_per_call([lambda w=w, c=config: fp8_rows_matmul(x, w, scale, config=c)
-                                               for w in fp8])
-        except Exception as failure:  # a tiling whose shared memory does not fit: the sweep goes on
-            sweep.append({"config": config._asdict(), "error": str(failure).splitlines()[0][:200]})
+            per_call, error = time_one(config)
+        except Exception as failure:
+            sweep.append({"config": config._asdict(), "error": failure_line(failure)})
             continue
         sweep.append({"config": config._asdict(), "seconds": per_call, "max_abs_error": error})
-    timed = sorted((entry for entry in sweep if "seconds" in entry), key=lambda entry: entry["seconds"])
-    if timed:
-        seconds["turbo weight-only, best tiling"] = timed[0]["seconds"]
-    return {"seconds": seconds, "default_config": default._asdict(), "sweep": timed,
+    return {"sweep": sorted((entry for entry in sweep if "seconds" in entry), key=lambda entry: entry["seconds"]),
             "sweep_failed": [entry for entry in sweep if "error" in entry],
             "sweep_complete": len(sweep) == len(configs)}
 

@@ -162,8 +162,8 @@ class DecodeAttentionConfig(NamedTuple):
 
 
 def graph_decode_attention_config() -> DecodeAttentionConfig:
-    """The cut for a launch a CUDA graph captures, whose grid must cover the engine's longest context while the
-    contexts it replays on are mostly shorter: 32-token tiles in runs of `GRAPH_SPLIT_TOKENS`."""
+    """The cut of the engine's launches (`vllm.decode_attention`), whose grid must cover the engine's longest context
+    since a CUDA graph replays it on mostly shorter ones: 32-token tiles in runs of `GRAPH_SPLIT_TOKENS`."""
     return DecodeAttentionConfig(32, 4, 2, GRAPH_SPLIT_TOKENS)
 
 

@@ -20,7 +20,10 @@ def test_every_candidate_names_a_reference_of_its_own_precision():
             assert reference.reference is None, name
             assert reference.weight_dtype == option.weight_dtype, name
     assert OPTIONS["fp8"].kv_bytes == 1 and OPTIONS["fp8-bf16-kv"].kv_bytes == 2 and OPTIONS["bf16"].kv_bytes == 2
-    assert OPTIONS["fp8-turbo-gemm"].turbo_fp8_gemm and not OPTIONS["fp8"].turbo_fp8_gemm
+    assert OPTIONS["fp8-turbo-gemm"].requests == ("fp8-gemm",) and not OPTIONS["fp8"].requests
+    from trl_turbo.bench.engine_requests import REQUESTS
+
+    assert all(set(option.requests) <= set(REQUESTS) for option in OPTIONS.values())
 
 
 def test_a_decode_steps_floor_is_its_weights_and_its_live_kv_cache_at_the_read_bandwidth():

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..planning.roofline import Generation, decode_bytes
-from ..vllm import decode_attention, engine_request, fp8_kernel
+from ..vllm import engine_request
+from . import engine_requests
 from .decode_profile import format_profile, measure, probe_prompts, short_tokens
 from .gpu_children import child_main, run_jobs, save_row
 from .results import DEFAULT_RESULTS_DIR
@@ -37,8 +38,9 @@ class EngineOption:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     reference: str | None = None
-    turbo_fp8_gemm: bool = False  # trl_turbo's weight-only fp8 GEMM for decode-sized batches (`vllm.fp8_kernel`)
-    turbo_attention: bool = False  # trl_turbo's paged attention for decode steps (`vllm.decode_attention`)
+    # trl_turbo's candidate kernels the engine asks for (`engine_requests.REQUESTS`): the weight-only fp8 GEMM for
+    # decode-sized batches, the paged attention for decode steps
+    requests: tuple[str, ...] = ()
     sampling: dict[str, Any] = field(default_factory=dict)  # `SamplingParams` fields over TRL's (host-side work)
 
     @property
@@ -68,12 +70,10 @@ OPTIONS: dict[str, EngineOption] = {
     # flat lists instead of a dict and an object per token (fewer objects for the garbage collector to walk)
     "fp8-no-text": EngineOption(FP8, reference="fp8", sampling={"detokenize": False}),
     "fp8-no-text-flat": EngineOption(FP8, reference="fp8", sampling={"detokenize": False, "flat_logprobs": True}),
-    "fp8-turbo-gemm": EngineOption(engine_request.combined(FP8, fp8_kernel.engine_arguments()), reference="fp8",
-                                   turbo_fp8_gemm=True),
+    "fp8-turbo-gemm": EngineOption(FP8, reference="fp8", requests=("fp8-gemm",)),
     # decode steps through trl_turbo's paged attention kernel: no fixed cost per launch for short contexts
-    "bf16-turbo-attention": EngineOption(decode_attention.engine_arguments(), reference="bf16", turbo_attention=True),
-    "fp8-turbo-attention": EngineOption(engine_request.combined(FP8, decode_attention.engine_arguments()),
-                                        reference="fp8", turbo_attention=True),
+    "bf16-turbo-attention": EngineOption(reference="bf16", requests=("decode-attention",)),
+    "fp8-turbo-attention": EngineOption(FP8, reference="fp8", requests=("decode-attention",)),
 }
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64
@@ -213,15 +213,12 @@ def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
     os.environ.update({**option.env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     from vllm import LLM, SamplingParams
 
-    if option.turbo_fp8_gemm:
-        fp8_kernel.install()
-    if option.turbo_attention:
-        decode_attention.install()
+    engine_kwargs = engine_request.combined(option.engine_kwargs, *engine_requests.installed(option.requests))
 
     start = time.perf_counter()
     llm = LLM(model=spec["checkpoint"], dtype="bfloat16", max_model_len=spec["max_model_len"],
               max_num_seqs=max(spec["batches"]), gpu_memory_utilization=spec["gpu_memory_utilization"],
-              enable_prefix_caching=False, logprobs_mode="processed_logprobs", seed=0, **option.engine_kwargs)
+              enable_prefix_caching=False, logprobs_mode="processed_logprobs", seed=0, **engine_kwargs)
     row["init_s"] = time.perf_counter() - start
     greedy = SamplingParams(**{"max_tokens": GREEDY_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 0,
                                **option.sampling})

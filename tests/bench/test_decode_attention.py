@@ -7,6 +7,7 @@ import pytest
 
 from trl_turbo.bench import __main__ as bench_main
 from trl_turbo.bench.decode_attention import step_bytes, sweep_configs
+from trl_turbo.kernels.paged_decode_attention import run_length
 
 
 def test_a_steps_floor_is_every_live_key_and_value_once_plus_the_query_in_and_out():
@@ -21,16 +22,16 @@ def test_a_steps_floor_is_every_live_key_and_value_once_plus_the_query_in_and_ou
 def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(context):
     configs = sweep_configs(context)
     assert len(set(configs)) == len(configs) and configs == sweep_configs(context)  # the same order every run
-    for block_n, _, _, split_tokens, _ in configs:
-        assert split_tokens % block_n == 0 and block_n % 16 == 0
-        runs = -(-context // split_tokens)
-        assert runs * split_tokens >= context and (runs - 1) * split_tokens < context
+    for block_n, _, _, runs, _ in configs:
+        length = run_length(context, runs, block_n)
+        assert length % block_n == 0 and block_n % 16 == 0
+        assert runs * length >= context and (runs - 1) * length < context
     assert {config.block_n for config in configs} == {16, 32, 64, 128}
     assert not any(config.fp8_scores for config in configs)  # a 16-bit cell: no e4m3 scores
     fp8 = sweep_configs(context, fp8=True)
     assert {config._replace(fp8_scores=False) for config in fp8} == set(configs)  # each cut with and without them
     assert len(fp8) == 2 * len(configs)
-    most_runs = max(-(-context // config.split_tokens) for config in configs)
+    most_runs = max(config.runs for config in configs)
     assert most_runs == (1 if context <= 16 else min(16, -(-context // 16)))
 
 

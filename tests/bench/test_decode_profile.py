@@ -28,6 +28,8 @@ from trl_turbo.bench.decode_profile import (
 KERNELS = {
     "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128>>": "attention",
     "void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>": "attention",
+    "_paged_decode_runs_kernel": "attention",  # trl_turbo's own decode attention, as Triton names it
+    "_paged_decode_combine_kernel": "attention",
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1": "gemm",
     "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
     "void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4>": "gemm",

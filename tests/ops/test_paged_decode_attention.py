@@ -74,11 +74,12 @@ def _naive(query, keys, values, table, lens, scales, softmax_scale):
 
 @needs_triton
 @pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8-query"])
-@pytest.mark.parametrize("config", [None, (32, 4, 2, 64), (16, 4, 1, 32)], ids=["default", "runs-of-64", "runs-of-32"])
+@pytest.mark.parametrize("config", [None, (32, 4, 2, 3), (16, 4, 1, 8)], ids=["default", "three-runs", "eight-runs"])
 def test_the_kernel_is_within_the_naive_error_of_the_exact_attention(cache, config):
     from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
 
-    lengths = [1, 17, 0, 95, 48, 130]  # off every tile and page; an empty sequence (CUDA-graph padding)
+    # off every tile and page; an empty sequence (CUDA-graph padding); eight runs leave the short ones' later runs empty
+    lengths = [1, 17, 0, 95, 48, 130]
     query, keys, values, table, lens, scales = _case(lengths, fp8_cache=cache != "bf16",
                                                      fp8_query=cache == "fp8-query", seed=len(cache))
     softmax_scale = query.shape[-1] ** -0.5
@@ -107,7 +108,7 @@ def test_e4m3_scores_are_within_the_naive_error_and_need_an_e4m3_query():
     lengths = [1, 17, 0, 95, 48, 130]
     query, keys, values, table, lens, scales = _case(lengths, fp8_cache=True, fp8_query=True, seed=11)
     out = torch.empty(query.shape, dtype=torch.bfloat16, device=DEVICE)
-    for config in ((32, 4, 2, 64, True), (16, 4, 1, 256, True)):  # several runs and one
+    for config in ((32, 4, 2, 4, True), (16, 4, 1, 1, True)):  # several runs and one
         result = paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.2, max_seq_len=130,
                                         out=out, config=config, **scales)
         assert_within_naive_error(result, _naive(query, keys, values, table, lens, scales, 0.2),
@@ -115,33 +116,32 @@ def test_e4m3_scores_are_within_the_naive_error_and_need_an_e4m3_query():
     bf16_query, *_ = _case(lengths, fp8_cache=True, seed=11)
     with pytest.raises(ValueError, match="e4m3 scores need an e4m3 query"):
         paged_decode_attention(bf16_query, keys, values, table, lens, softmax_scale=0.2, max_seq_len=130,
-                               config=(32, 4, 2, 64, True), k_scale=scales["k_scale"], v_scale=scales["v_scale"])
+                               config=(32, 4, 2, 4, True), k_scale=scales["k_scale"], v_scale=scales["v_scale"])
     with pytest.raises(ValueError, match="head size of at least 32"):  # an e4m3 product's shared dimension
         paged_decode_attention(query[..., :16], keys[..., :16], values[..., :16], table, lens, softmax_scale=0.2,
-                               max_seq_len=130, out=out[..., :16].contiguous(), config=(32, 4, 2, 64, True),
+                               max_seq_len=130, out=out[..., :16].contiguous(), config=(32, 4, 2, 4, True),
                                **scales)
 
 
 @needs_triton
-def test_runs_combine_to_what_one_run_computes_and_the_grid_covers_max_seq_len():
+def test_runs_combine_to_what_one_run_computes_and_each_sequence_cuts_its_own_context():
     from trl_turbo.kernels.paged_decode_attention import paged_decode_attention
 
     lengths = [200, 7, 64]
     query, keys, values, table, lens, scales = _case(lengths, q_heads=4, kv_heads=4, seed=3)  # no grouping
     softmax_scale = 0.2
-    one = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=256,
-                                 config=(64, 4, 2, 256))
-    several = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=256,
-                                     config=(32, 4, 2, 32))
     exact = _exact(query, keys, values, table, lens, scales, softmax_scale)
+    one = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=256,
+                                 config=(64, 4, 2, 1))
+    # sixteen runs: 200 tokens in runs of one 32-token tile (seven used), 7 and 64 tokens in one and two
+    several = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=256,
+                                     config=(32, 4, 2, 16))
     for result in (one, several):
         assert_within_naive_error(result, _naive(query, keys, values, table, lens, scales, softmax_scale), exact)
     assert (one.float() - several.float()).abs().max() <= 2 * (one.float() - exact).abs().max() + 1e-2
-    # a launch whose runs stop short of a sequence's end leaves its tail out: max_seq_len is a promise
-    short = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=64,
-                                   config=(32, 4, 2, 32))
-    assert not torch.allclose(short[0].float(), exact[0].float(), atol=1e-2)
-    assert torch.allclose(short[1].float(), exact[1].float(), atol=2e-2)
+    # the default cut for a shorter longest context still covers every token: max_seq_len shapes the cut only
+    default = paged_decode_attention(query, keys, values, table, lens, softmax_scale=softmax_scale, max_seq_len=32)
+    assert_within_naive_error(default, _naive(query, keys, values, table, lens, scales, softmax_scale), exact)
 
 
 @needs_triton
@@ -183,21 +183,21 @@ def test_the_op_takes_the_kernel_and_the_reference_alike_and_refuses_mismatched_
     with pytest.raises(ValueError, match="`out` must be"):
         paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=64,
                                out=torch.empty(2, 8, 16, dtype=torch.bfloat16, device=DEVICE), **scales)
-    with pytest.raises(ValueError, match="whole tiles"):
-        paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=64,
-                               config=(32, 4, 2, 48), **scales)
+    for cut in ((32, 4, 2, 0), (24, 4, 2, 2), (8, 4, 2, 2)):
+        with pytest.raises(ValueError, match="at least one run"):
+            paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=64, config=cut,
+                                   **scales)
 
 
-def test_the_default_cut_gives_the_gpu_four_programs_per_processor_in_runs_of_whole_tiles():
+def test_the_default_cut_gives_the_gpu_four_programs_per_processor_whatever_the_context():
     from trl_turbo.kernels.paged_decode_attention import decode_attention_config
 
-    many = decode_attention_config(1984, sequences=64, kv_heads=8, processors=132)
-    few = decode_attention_config(1984, sequences=8, kv_heads=8, processors=132)
-    assert (many.block_n, many.split_tokens) == (32, 992)  # two runs: 1024 programs
-    assert few.split_tokens == 224  # nine runs of seven tiles: 576 programs
-    for config in (many, few, decode_attention_config(16, sequences=1, kv_heads=1, processors=132)):
-        assert config.split_tokens % config.block_n == 0
-    assert decode_attention_config(16, sequences=1, kv_heads=1, processors=132).split_tokens == 32  # one tile
+    many = decode_attention_config(2112, sequences=64, kv_heads=8, processors=132)
+    few = decode_attention_config(2112, sequences=8, kv_heads=8, processors=132)
+    assert (many.block_n, many.runs) == (32, 2)  # 1024 programs
+    assert few.runs == 9  # 576 programs: runs of seven tiles at 1984 tokens
+    assert decode_attention_config(16, sequences=1, kv_heads=1, processors=132).runs == 1  # no run under four tiles
+    assert decode_attention_config(300, sequences=1, kv_heads=1, processors=132).runs == 3
 
 
 @needs_triton
@@ -221,7 +221,7 @@ def test_a_page_of_any_size_is_gathered_token_by_token():
     big_k, big_v = big_k.reshape(2, pages, 48, *keys.shape[2:]).flip(0).reshape(-1, 48, *keys.shape[2:]), \
         big_v.reshape(2, pages, 48, *values.shape[2:]).flip(0).reshape(-1, 48, *values.shape[2:])
     small = paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.3, max_seq_len=96,
-                                   config=(32, 4, 2, 32))
+                                   config=(32, 4, 2, 3))
     large = paged_decode_attention(query, big_k, big_v, big_table, lens, softmax_scale=0.3, max_seq_len=96,
-                                   config=(32, 4, 2, 32))
+                                   config=(32, 4, 2, 3))
     assert torch.equal(small, large)

@@ -11,8 +11,9 @@ Design decisions:
   query before the call; that kernel is not timed, for either candidate). trl_turbo's kernel reads the same inputs.
 - The floor is the bytes a step must move (every live key and value once, the query in and the output out) at the
   read bandwidth measured in the same command. Each candidate's output is compared with the fp32 reference.
-- Inside the engine a CUDA graph captures the kernel once for the engine's longest context and replays it on every
-  shorter one; `--max-model-len` times that launch too, beside the ones cut for the cell's own context.
+- Inside the engine a CUDA graph captures the kernel once per batch size, cut for the engine's longest context,
+  and replays it on every shorter one; `--max-model-len` times that launch too, beside the ones cut for the cell's
+  own context.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..kernels.paged_decode_attention import DecodeAttentionConfig
+from ..kernels.paged_decode_attention import DecodeAttentionConfig, decode_attention_config, run_length
 from .decode_gemm import failure_line, graph_seconds_per_call, timed_sweep
 from .results import DEFAULT_RESULTS_DIR
 
@@ -47,14 +48,15 @@ def step_bytes(sequences: int, context: int, q_heads: int, kv_heads: int, head_d
 
 
 def sweep_configs(context: int, fp8: bool = False) -> list[DecodeAttentionConfig]:
-    """Tile sizes, warps, stages and run counts (runs of whole tiles covering `context`; rounding up to whole tiles
-    may leave fewer runs, and equal cuts are tried once), for an e4m3 cell with and without e4m3 scores, in a fixed
-    shuffled order so that a sweep its budget cuts short has sampled every dimension."""
+    """Tile sizes, warps, stages and run counts, each count only where all its runs hold tokens of `context` (whole
+    tiles may leave a larger count's last runs empty: the smaller count that has the same runs is tried instead), for
+    an e4m3 cell with and without e4m3 scores, in a fixed shuffled order so that a sweep its budget cuts short has
+    sampled every dimension."""
     configs = set()
     for block_n, warps, stages, runs, fp8_scores in itertools.product(
             SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, SWEEP_RUNS, (False, True) if fp8 else (False,)):
-        per_run = math.ceil(context / runs)
-        configs.add(DecodeAttentionConfig(block_n, warps, stages, math.ceil(per_run / block_n) * block_n, fp8_scores))
+        used = math.ceil(context / run_length(context, runs, block_n))
+        configs.add(DecodeAttentionConfig(block_n, warps, stages, used, fp8_scores))
     ordered = sorted(configs)
     random.Random(0).shuffle(ordered)
     return ordered
@@ -139,10 +141,9 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
                  device: Any, budget_s: float, max_model_len: int | None = None) -> dict[str, Any]:
     """Seconds per layer of each candidate on one cell, their largest error against the fp32 reference, and the
     sweep's cuts sorted fastest first (as many as `budget_s` allows). With `max_model_len`, also the kernel as a
-    CUDA graph of the engine captures it: its grid covering that many tokens in runs of a fixed length."""
+    CUDA graph of the engine captures it: the default cut for the batch and that longest context."""
     import torch
 
-    from ..kernels.paged_decode_attention import graph_decode_attention_config
     from ..ops.paged_decode_attention import reference
 
     cell = _cell_inputs(sequences, context, q_heads, kv_heads, head_dim, fp8, layers, device)
@@ -158,9 +159,11 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
     if max_model_len is not None:
-        cuts = {"turbo, engine graph cut": graph_decode_attention_config()}
+        engine_cut = decode_attention_config(max_model_len, sequences, kv_heads,
+                                             torch.cuda.get_device_properties(device).multi_processor_count)
+        cuts = {"turbo, engine cut": engine_cut}
         if fp8:
-            cuts["turbo, engine graph cut, e4m3 scores"] = graph_decode_attention_config()._replace(fp8_scores=True)
+            cuts["turbo, engine cut, e4m3 scores"] = engine_cut._replace(fp8_scores=True)
         for name, cut in cuts.items():
             captured = _turbo_calls(cell, max_model_len, head_dim, cut)
             try:

@@ -7,11 +7,15 @@ layer alone and 31 us inside vLLM) and reads long fp8 caches at 55-58% of the ba
 - One program per (sequence, KV head, run of the context): the query heads that share the KV head (grouped-query
   attention) are the rows of one `tl.dot`, padded to 16 as the tensor cores need, so each key and value byte is
   read once for the whole group.
-- The context is split into runs of `split_tokens` (a multiple of the tile), a launch argument fixed by the caller: a
-  CUDA graph captures the grid, so the number of runs must cover the longest sequence the graph will ever see, and a
-  run past a sequence's end returns at once. Each run keeps an online softmax (fp32 running max and sum) and writes
-  its unnormalised output with the max and sum; a second kernel combines a sequence's runs in a fixed order (no
-  atomics: the result does not depend on scheduling). With one run the first kernel normalises and writes itself.
+- The launch fixes the number of runs a sequence's context is cut into (from the batch and the GPU, never from the
+  context: a CUDA graph captures the grid and replays it on every later context), and each sequence cuts its own
+  context into that many runs of whole tiles, computed in the kernel from its length. A short context thus fills
+  one tile of one run and the other runs exit at once, while a long one spreads over all of them: a fixed run
+  length instead (long enough runs for the engine's longest context) launched thousands of empty programs per layer
+  at short contexts, 3x the kernel's own time at 16 tokens. Each run keeps an online softmax (fp32 running max and
+  sum) and writes its unnormalised output with the max and sum; a second kernel combines a sequence's runs in a
+  fixed order (no atomics: the result does not depend on scheduling). With one run the first kernel normalises and
+  writes itself.
 - A tile of `block_n` tokens gathers its pages through the block table, token by token, so any page size works
   (vLLM's is 16).
 - fp8 caches (e4m3, one scale per tensor, as vLLM keeps them) and fp8 queries (vLLM quantizes them for FA3) are
@@ -29,6 +33,7 @@ With `TRITON_INTERPRET=1` set before import the kernels also run on CPU tensors 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -42,9 +47,8 @@ MIN_DOT_ROWS = 16
 MIN_FP8_DOT_DEPTH = 32  # an e4m3 product's shared dimension
 E4M3 = torch.float8_e4m3fn
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# A CUDA graph serves every context up to the engine's longest: runs of this many tokens (the run length of most of
-# the fastest cuts timed at 512-1984 tokens), the programs past a sequence's end exiting at once
-GRAPH_SPLIT_TOKENS = 256
+PROGRAMS_PER_PROCESSOR = 4  # the default cut's target: enough programs to hide a gathered tile's latency
+MIN_RUN_TILES = 4  # the default cut's shortest run, in tiles
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -52,9 +56,21 @@ def supported_head_dim(head_dim: int) -> bool:
     return head_dim >= MIN_DOT_ROWS and not head_dim & (head_dim - 1)
 
 
+def run_length(seq_len: int, runs: int, block_n: int) -> int:
+    """Tokens per run of a `seq_len`-token sequence under a launch of `runs` runs: its context over the runs, in whole
+    tiles (one tile at least). `_run_length` computes it in the kernels."""
+    per_run = -(-seq_len // runs)
+    return max(-(-per_run // block_n), 1) * block_n
+
+
 @triton.jit
-def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                       acc_ptr, stats_ptr, qk_scale, split_tokens, runs,
+def _run_length(seq_len, runs, BLOCK_N: tl.constexpr):
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, runs), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _paged_decode_runs_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                       acc_ptr, stats_ptr, qk_scale, runs,
                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                        stride_table, stride_ot, stride_oh,
                        GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -65,13 +81,14 @@ def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_
     kv_head = tl.program_id(1)
     run = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
-    start = run * split_tokens
+    run_length = _run_length(seq_len, runs, BLOCK_N)
+    start = run * run_length
     rows = tl.arange(0, GROUP_ROWS)
     real_rows = rows < GROUP
     heads = kv_head * GROUP + rows
     dims = tl.arange(0, HEAD_DIM)
     if start < seq_len:
-        stop = tl.minimum(seq_len, start + split_tokens)
+        stop = tl.minimum(seq_len, start + run_length)
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=real_rows[:, None],
                     other=0.0)
         scale = qk_scale  # softmax scale x log2(e), and the fp8 scales: applied to the fp32 scores
@@ -128,11 +145,12 @@ def _decode_run_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_ptr, k_
 
 
 @triton.jit
-def _combine_runs_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, split_tokens, runs, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, RUNS: tl.constexpr):
+def _paged_decode_combine_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, runs, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, RUNS: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    used = tl.minimum(tl.cdiv(tl.load(lens_ptr + seq), split_tokens), runs)  # runs cover `max_seq_len` only
+    seq_len = tl.load(lens_ptr + seq)
+    used = tl.cdiv(seq_len, _run_length(seq_len, runs, BLOCK_N))  # the runs that held tokens
     index = tl.arange(0, RUNS)
     taken = index < used
     base = (seq * tl.num_programs(1) + head) * runs
@@ -149,34 +167,33 @@ def _combine_runs_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, split_tokens, ru
 
 
 class DecodeAttentionConfig(NamedTuple):
-    """How one launch is cut: tokens per tile, warps and pipeline stages of a program, tokens per run of the context
-    (a multiple of the tile; the runs cover the longest sequence the launch may see), and, for an e4m3 query over
-    e4m3 keys, whether the scores come from e4m3 products on the tensor cores (the same exact products, no key
-    widened, summed at the tensor cores' fp8 precision; FA3's way) instead of fp16 ones."""
+    """How one launch is cut: tokens per tile, warps and pipeline stages of a program, the runs each sequence's
+    context is cut into (each sequence in whole tiles of its own length), and, for an e4m3 query over e4m3 keys,
+    whether the scores come from e4m3 products on the tensor cores (the same exact products, no key widened, summed
+    at the tensor cores' fp8 precision; FA3's way) instead of fp16 ones."""
 
     block_n: int
     warps: int
     stages: int
-    split_tokens: int
+    runs: int
     fp8_scores: bool = False
-
-
-def graph_decode_attention_config() -> DecodeAttentionConfig:
-    """The cut of the engine's launches (`vllm.decode_attention`), whose grid must cover the engine's longest context
-    since a CUDA graph replays it on mostly shorter ones: 32-token tiles in runs of `GRAPH_SPLIT_TOKENS`."""
-    return DecodeAttentionConfig(32, 4, 2, GRAPH_SPLIT_TOKENS)
 
 
 def decode_attention_config(max_seq_len: int, sequences: int, kv_heads: int, processors: int) -> DecodeAttentionConfig:
     """32-token tiles (at 16 tokens of context they beat 64-token ones by half, and matched them at 512-1984 on an
-    H200), and the context cut into as many runs as give the GPU about four programs per processor, each run at least
-    four tiles long: the pattern of the fastest cuts `bench decode-attention` timed (64 sequences x 8 KV heads: two
-    runs; 8 sequences: runs of 224-256 tokens). The grid, fixed for a CUDA graph, serves every context up to
-    `max_seq_len`."""
+    H200), and as many runs as give the GPU about `PROGRAMS_PER_PROCESSOR` programs per processor, no run shorter
+    than `MIN_RUN_TILES` tiles at `max_seq_len`: the pattern of the fastest cuts `bench decode-attention` timed (64
+    sequences x 8 KV heads: two runs; 8 sequences: runs of 224-256 tokens at 1984). The cut depends on the batch and
+    the longest context only, so a CUDA graph captured for a batch size serves every context up to `max_seq_len`."""
     block_n = 32
-    runs = max(1, min(-(-4 * processors // max(1, sequences * kv_heads)), -(-max_seq_len // (4 * block_n))))
-    split_tokens = -(-max(1, max_seq_len) // runs)
-    return DecodeAttentionConfig(block_n, 4, 2, -(-split_tokens // block_n) * block_n)
+    wanted = -(-PROGRAMS_PER_PROCESSOR * processors // max(1, sequences * kv_heads))
+    runs = max(1, min(wanted, -(-max_seq_len // (MIN_RUN_TILES * block_n))))
+    return DecodeAttentionConfig(block_n, 4, 2, runs)
+
+
+@functools.cache
+def _processors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -187,8 +204,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """Attention of `query` [T, Hq, D] (one token per sequence, 16-bit or e4m3 under `q_scale`) over the first
     `seq_lens[t]` tokens of sequence t in the paged caches [blocks, page, Hkv, D] (16-bit, or e4m3 under `k_scale`
     and `v_scale`, one-element fp32 tensors) whose pages `block_table` [T, pages] lists. `max_seq_len` bounds every
-    `seq_lens` the launch may see (a CUDA graph replays its grid). Returns `out` [T, Hq, D] (16-bit; required for an
-    e4m3 query)."""
+    `seq_lens` the launch may see (a CUDA graph replays its grid); it shapes the default cut only. Returns `out`
+    [T, Hq, D] (16-bit; required for an e4m3 query)."""
     tokens, q_heads, head_dim = query.shape
     _, page, kv_heads, cache_dim = key_cache.shape
     if cache_dim != head_dim or value_cache.shape != key_cache.shape or q_heads % kv_heads:
@@ -219,15 +236,14 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if config is not None:
         tiling = DecodeAttentionConfig(*config)
     else:
-        processors = (torch.cuda.get_device_properties(query.device).multi_processor_count
-                      if query.device.type == "cuda" else 1)
+        processors = _processors(query.device.index or 0) if query.device.type == "cuda" else 1
         tiling = decode_attention_config(max_seq_len, tokens, kv_heads, processors)
-    if tiling.split_tokens % tiling.block_n:
-        raise ValueError(f"{tiling}: runs must be whole tiles")
+    if tiling.runs < 1 or tiling.block_n < MIN_DOT_ROWS or tiling.block_n & (tiling.block_n - 1):
+        raise ValueError(f"{tiling}: at least one run, and tiles of a power of two of at least {MIN_DOT_ROWS} tokens")
     if tiling.fp8_scores and (not e4m3_query or head_dim < MIN_FP8_DOT_DEPTH):
         raise ValueError(f"{tiling}: e4m3 scores need an e4m3 query and e4m3 keys, and a head size of at least "
                          f"{MIN_FP8_DOT_DEPTH} (got {head_dim})")
-    runs = max(1, -(-max_seq_len // tiling.split_tokens))
+    runs = tiling.runs
     one_run = runs == 1
     if one_run:
         acc = stats = out
@@ -236,10 +252,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         stats = torch.empty((tokens, q_heads, runs, 2), dtype=torch.float32, device=query.device)
     dummy = seq_lens  # a pointer for the scales a launch does not read
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    _decode_run_kernel[(tokens, kv_heads, runs)](
+    _paged_decode_runs_kernel[(tokens, kv_heads, runs)](
         query, key_cache, value_cache, block_table, lens,
         q_scale if q_scale is not None else dummy, k_scale if k_scale is not None else dummy,
-        v_scale if v_scale is not None else dummy, out, acc, stats, softmax_scale * LOG2E, tiling.split_tokens, runs,
+        v_scale if v_scale is not None else dummy, out, acc, stats, softmax_scale * LOG2E, runs,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
@@ -248,6 +264,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         DOT_TYPE=tl.float16 if e4m3_cache else _DOT_TYPES[key_cache.dtype], FP8_SCORES=tiling.fp8_scores,
         WIDE=INTERPRETED, num_warps=tiling.warps, num_stages=tiling.stages)
     if not one_run:
-        _combine_runs_kernel[(tokens, q_heads)](acc, stats, lens, out, tiling.split_tokens, runs, out.stride(0),
-                                                out.stride(1), HEAD_DIM=head_dim, RUNS=triton.next_power_of_2(runs))
+        _paged_decode_combine_kernel[(tokens, q_heads)](acc, stats, lens, out, runs, out.stride(0), out.stride(1),
+                                                HEAD_DIM=head_dim, RUNS=triton.next_power_of_2(runs),
+                                                BLOCK_N=tiling.block_n)
     return out

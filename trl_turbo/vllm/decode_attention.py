@@ -9,9 +9,10 @@ Design decisions:
   token per sequence, no cascade, no context parallelism, no batch invariance, one scale per tensor, a head size and
   device the Triton kernel takes, none of the options it does not implement: sliding windows, ALiBi, soft caps,
   sinks) to the kernel. Both are replaced once, through the registry.
-- Every launch covers the engine's longest context in runs of a fixed length (programs past a sequence's end exit
-  at once): a CUDA graph replays its capture on every later context, and the eager warm-up runs before a capture
-  compile the very kernel the capture launches (Triton compiling inside a capture would fail).
+- Every launch takes the kernel's default cut for the batch size and the engine's longest context, never for the
+  batch's own contexts: a CUDA graph replays its capture (one per batch size) on every later context, and the eager
+  warm-up runs before a capture compile the very kernel the capture launches (Triton compiling inside a capture
+  would fail). Each sequence cuts its own context into the launch's runs inside the kernel.
 - The kernel reads what FA3 reads: the query as vLLM hands it (e4m3 under the layer's query scale where the KV cache
   is e4m3), the two halves of the layer's cache (viewed as e4m3 where quantized) with the layer's scales, the block
   table and the sequence lengths; it writes into vLLM's output.
@@ -28,7 +29,6 @@ from typing import Any
 import torch
 
 from .. import registry
-from ..kernels.paged_decode_attention import graph_decode_attention_config
 from ..ops.paged_decode_attention import kernel_serves, paged_decode_attention
 from . import engine_request
 
@@ -88,8 +88,8 @@ def _kernel_serves(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.T
 
 def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
            output: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The kernel on one decode batch, written into `output` as FA3 would write it, its grid covering the engine's
-    longest context (`max_len`) in runs of a fixed length."""
+    """The kernel on one decode batch, written into `output` as FA3 would write it, cut for the batch size and the
+    engine's longest context (`max_len`)."""
     tokens = metadata.num_actual_tokens
     key_cache, value_cache = kv_cache.unbind(1)
     scales: dict[str, torch.Tensor] = {}
@@ -102,7 +102,7 @@ def decode(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, m
     out = output[:tokens].view(tokens, query.shape[1], query.shape[2])
     paged_decode_attention(query[:tokens], key_cache, value_cache, metadata.block_table[:tokens],
                            metadata.seq_lens[:tokens], softmax_scale=impl.scale, max_seq_len=max_len, out=out,
-                           config=graph_decode_attention_config(), **scales)
+                           **scales)
     return output
 
 

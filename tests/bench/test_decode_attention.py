@@ -35,6 +35,13 @@ def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(
     assert most_runs == (1 if context <= 16 else min(16, -(-context // 16)))
 
 
+def test_the_default_cuts_run_count_is_swept_first():
+    configs = sweep_configs(1984, runs_first=9)
+    first = [config.runs == 9 for config in configs]
+    assert first[: first.count(True)] == [True] * first.count(True) and first.count(True) >= 2 * 3 * 3  # 16- and 32-token tiles: runs of 224
+    assert {config.runs for config in configs} >= {1, 2, 9}
+
+
 def test_the_command_is_registered(capsys):
     with pytest.raises(SystemExit):
         bench_main.main(["decode-attention", "--help"])

@@ -47,19 +47,23 @@ def step_bytes(sequences: int, context: int, q_heads: int, kv_heads: int, head_d
     return per_layer * layers
 
 
-def sweep_configs(context: int, fp8: bool = False) -> list[DecodeAttentionConfig]:
+def sweep_configs(context: int, fp8: bool = False, runs_first: int | None = None) -> list[DecodeAttentionConfig]:
     """Tile sizes, warps, stages and run counts, each count only where all its runs hold tokens of `context` (whole
     tiles may leave a larger count's last runs empty: the smaller count that has the same runs is tried instead), for
-    an e4m3 cell with and without e4m3 scores, in a fixed shuffled order so that a sweep its budget cuts short has
-    sampled every dimension."""
+    an e4m3 cell with and without e4m3 scores. The cuts with `runs_first` runs (the default cut's count) come first,
+    then the others, each group in a fixed shuffled order so that a sweep its budget cuts short has sampled every
+    dimension of the cuts the engine could take."""
     configs = set()
     for block_n, warps, stages, runs, fp8_scores in itertools.product(
-            SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, SWEEP_RUNS, (False, True) if fp8 else (False,)):
+            SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, sorted({*SWEEP_RUNS, runs_first or 1}),
+            (False, True) if fp8 else (False,)):
         used = math.ceil(context / run_length(context, runs, block_n))
         configs.add(DecodeAttentionConfig(block_n, warps, stages, used, fp8_scores))
-    ordered = sorted(configs)
-    random.Random(0).shuffle(ordered)
-    return ordered
+    first = sorted(config for config in configs if config.runs == runs_first)
+    rest = sorted(configs - set(first))
+    random.Random(0).shuffle(first)
+    random.Random(0).shuffle(rest)
+    return first + rest
 
 
 def _cell_inputs(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, fp8: bool, layers: int,
@@ -155,12 +159,12 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     if fa3 is not None:
         errors["FA3 (vLLM)"] = _error(fa3, cell, exact)
         seconds["FA3 (vLLM)"] = graph_seconds_per_call(fa3)
+    processors = torch.cuda.get_device_properties(device).multi_processor_count
     default = _turbo_calls(cell, context, head_dim, None)
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
     if max_model_len is not None:
-        engine_cut = decode_attention_config(max_model_len, sequences, kv_heads,
-                                             torch.cuda.get_device_properties(device).multi_processor_count)
+        engine_cut = decode_attention_config(max_model_len, sequences, kv_heads, processors)
         cuts = {"turbo, engine cut": engine_cut}
         if fp8:
             cuts["turbo, engine cut, e4m3 scores"] = engine_cut._replace(fp8_scores=True)
@@ -177,7 +181,8 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
         error = _error(calls, cell, exact)
         return graph_seconds_per_call(calls), error
 
-    swept = timed_sweep(sweep_configs(context, fp8), time_one, budget_s)
+    rule = decode_attention_config(max_model_len or context, sequences, kv_heads, processors)
+    swept = timed_sweep(sweep_configs(context, fp8, runs_first=rule.runs), time_one, budget_s)
     if swept["sweep"]:
         seconds["turbo, best cut"] = swept["sweep"][0]["seconds"]
         errors["turbo, best cut"] = swept["sweep"][0]["max_abs_error"]

@@ -38,7 +38,8 @@ def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(
 def test_the_default_cuts_run_count_is_swept_first():
     configs = sweep_configs(1984, runs_first=9)
     first = [config.runs == 9 for config in configs]
-    assert first[: first.count(True)] == [True] * first.count(True) and first.count(True) >= 2 * 3 * 3  # 16- and 32-token tiles: runs of 224
+    assert first[: first.count(True)] == [True] * first.count(True)
+    assert first.count(True) >= 2 * 3 * 3  # 16- and 32-token tiles, every warps and stages: runs of 224
     assert {config.runs for config in configs} >= {1, 2, 9}
 
 

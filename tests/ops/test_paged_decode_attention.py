@@ -194,7 +194,8 @@ def test_the_default_cut_gives_the_gpu_four_programs_per_processor_whatever_the_
 
     many = decode_attention_config(2112, sequences=64, kv_heads=8, processors=132)
     few = decode_attention_config(2112, sequences=8, kv_heads=8, processors=132)
-    assert (many.block_n, many.runs) == (32, 2)  # 1024 programs
+    assert many == (32, 2, 2, 2, False)  # 1024 programs
+    assert decode_attention_config(2112, 64, 8, 132, e4m3_cache=True) == (64, 2, 3, 2, False)
     assert few.runs == 9  # 576 programs: runs of seven tiles at 1984 tokens
     assert decode_attention_config(16, sequences=1, kv_heads=1, processors=132).runs == 1  # no run under four tiles
     assert decode_attention_config(300, sequences=1, kv_heads=1, processors=132).runs == 3

@@ -164,7 +164,7 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
     if max_model_len is not None:
-        engine_cut = decode_attention_config(max_model_len, sequences, kv_heads, processors)
+        engine_cut = decode_attention_config(max_model_len, sequences, kv_heads, processors, fp8)
         cuts = {"turbo, engine cut": engine_cut}
         if fp8:
             cuts["turbo, engine cut, e4m3 scores"] = engine_cut._replace(fp8_scores=True)
@@ -181,7 +181,7 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
         error = _error(calls, cell, exact)
         return graph_seconds_per_call(calls), error
 
-    rule = decode_attention_config(max_model_len or context, sequences, kv_heads, processors)
+    rule = decode_attention_config(max_model_len or context, sequences, kv_heads, processors, fp8)
     swept = timed_sweep(sweep_configs(context, fp8, runs_first=rule.runs), time_one, budget_s)
     if swept["sweep"]:
         seconds["turbo, best cut"] = swept["sweep"][0]["seconds"]

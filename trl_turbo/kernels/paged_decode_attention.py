@@ -14,8 +14,8 @@ layer alone and 31 us inside vLLM) and reads long fp8 caches at 55-58% of the ba
   length instead (long enough runs for the engine's longest context) launched thousands of empty programs per layer
   at short contexts, 3x the kernel's own time at 16 tokens. Each run keeps an online softmax (fp32 running max and
   sum) and writes its unnormalised output with the max and sum; a second kernel combines a sequence's runs in a
-  fixed order (no atomics: the result does not depend on scheduling). With one run the first kernel normalises and
-  writes itself.
+  fixed order (no atomics: the result does not depend on scheduling). Where one run holds a sequence's whole
+  context (always so with one run), that run normalises and writes the output itself, and the combine skips it.
 - A tile of `block_n` tokens gathers its pages through the block table, token by token, so any page size works
   (vLLM's is 16).
 - fp8 caches (e4m3, one scale per tensor, as vLLM keeps them) and fp8 queries (vLLM quantizes them for FA3) are
@@ -130,16 +130,16 @@ def _paged_decode_runs_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_
             running_max = new_max
         if KV_SCALED:
             acc = acc * tl.load(v_scale_ptr).to(tl.float32)
-        if ONE_RUN:
+        if seq_len <= run_length:  # the whole context in this one run (always so with one run): the output itself
             out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
             tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=real_rows[:, None])
-        else:  # acc [seqs, q heads, runs, dims] fp32; stats [seqs, q heads, runs, 2]: max and sum
+        elif not ONE_RUN:  # acc [seqs, q heads, runs, dims] fp32; stats [seqs, q heads, runs, 2]: max and sum
             slot = (seq * (tl.num_programs(1) * GROUP) + heads) * runs + run
             tl.store(acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=real_rows[:, None])
             tl.store(stats_ptr + slot * 2, running_max, mask=real_rows)
             tl.store(stats_ptr + slot * 2 + 1, running_sum, mask=real_rows)
-    elif ONE_RUN:  # an empty sequence (CUDA-graph padding): zeros
+    elif run == 0:  # an empty sequence (CUDA-graph padding): zeros
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  tl.zeros((GROUP_ROWS, HEAD_DIM), dtype=out_ptr.dtype.element_ty), mask=real_rows[:, None])
 
@@ -150,20 +150,20 @@ def _paged_decode_combine_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, runs, st
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + seq)
-    used = tl.cdiv(seq_len, _run_length(seq_len, runs, BLOCK_N))  # the runs that held tokens
-    index = tl.arange(0, RUNS)
-    taken = index < used
-    base = (seq * tl.num_programs(1) + head) * runs
-    maxima = tl.load(stats_ptr + (base + index) * 2, mask=taken, other=float("-inf"))
-    sums = tl.load(stats_ptr + (base + index) * 2 + 1, mask=taken, other=0.0)
-    top = tl.max(maxima, axis=0)
-    top = tl.where(top > float("-inf"), top, 0.0)  # an empty sequence: no run, and no NaN
-    weights = tl.where(taken, tl.exp2(maxima - top), 0.0)
-    dims = tl.arange(0, HEAD_DIM)
-    partial = tl.load(acc_ptr + (base + index)[:, None] * HEAD_DIM + dims[None, :], mask=taken[:, None], other=0.0)
-    total = tl.sum(weights * sums, axis=0)
-    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    length = _run_length(seq_len, runs, BLOCK_N)
+    if seq_len > length:  # else one run (or none) held the context, and wrote the output itself
+        used = tl.cdiv(seq_len, length)
+        index = tl.arange(0, RUNS)
+        taken = index < used
+        base = (seq * tl.num_programs(1) + head) * runs
+        maxima = tl.load(stats_ptr + (base + index) * 2, mask=taken, other=float("-inf"))
+        sums = tl.load(stats_ptr + (base + index) * 2 + 1, mask=taken, other=0.0)
+        weights = tl.where(taken, tl.exp2(maxima - tl.max(maxima, axis=0)), 0.0)
+        dims = tl.arange(0, HEAD_DIM)
+        partial = tl.load(acc_ptr + (base + index)[:, None] * HEAD_DIM + dims[None, :], mask=taken[:, None],
+                          other=0.0)
+        out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights * sums, axis=0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 class DecodeAttentionConfig(NamedTuple):
@@ -179,16 +179,18 @@ class DecodeAttentionConfig(NamedTuple):
     fp8_scores: bool = False
 
 
-def decode_attention_config(max_seq_len: int, sequences: int, kv_heads: int, processors: int) -> DecodeAttentionConfig:
-    """32-token tiles (at 16 tokens of context they beat 64-token ones by half, and matched them at 512-1984 on an
-    H200), and as many runs as give the GPU about `PROGRAMS_PER_PROCESSOR` programs per processor, no run shorter
-    than `MIN_RUN_TILES` tiles at `max_seq_len`: the pattern of the fastest cuts `bench decode-attention` timed (64
-    sequences x 8 KV heads: two runs; 8 sequences: runs of 224-256 tokens at 1984). The cut depends on the batch and
-    the longest context only, so a CUDA graph captured for a batch size serves every context up to `max_seq_len`."""
-    block_n = 32
+def decode_attention_config(max_seq_len: int, sequences: int, kv_heads: int, processors: int,
+                            e4m3_cache: bool = False) -> DecodeAttentionConfig:
+    """Two warps a program, tiles of 32 tokens in two stages for a 16-bit cache and of 64 in three for an e4m3 one
+    (the same bytes a tile), and as many runs as give the GPU about `PROGRAMS_PER_PROCESSOR` programs per processor,
+    no run shorter than `MIN_RUN_TILES` tiles at `max_seq_len`: the fastest cuts `bench decode-attention` timed on an
+    H200 at 64 sequences x 8 KV heads (two runs; 512 and 1984 tokens: 11% and 4% under FA3 in bf16, 16% and 4% in
+    e4m3) and at parity with FA3 at 8 sequences in bf16 (nine runs at 1984). The cut depends on the batch and the
+    longest context only, so a CUDA graph captured for a batch size serves every context up to `max_seq_len`."""
+    block_n, stages = (64, 3) if e4m3_cache else (32, 2)
     wanted = -(-PROGRAMS_PER_PROCESSOR * processors // max(1, sequences * kv_heads))
     runs = max(1, min(wanted, -(-max_seq_len // (MIN_RUN_TILES * block_n))))
-    return DecodeAttentionConfig(block_n, 4, 2, runs)
+    return DecodeAttentionConfig(block_n, 2, stages, runs)
 
 
 @functools.cache
@@ -237,7 +239,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         tiling = DecodeAttentionConfig(*config)
     else:
         processors = _processors(query.device.index or 0) if query.device.type == "cuda" else 1
-        tiling = decode_attention_config(max_seq_len, tokens, kv_heads, processors)
+        tiling = decode_attention_config(max_seq_len, tokens, kv_heads, processors, e4m3_cache)
     if tiling.runs < 1 or tiling.block_n < MIN_DOT_ROWS or tiling.block_n & (tiling.block_n - 1):
         raise ValueError(f"{tiling}: at least one run, and tiles of a power of two of at least {MIN_DOT_ROWS} tokens")
     if tiling.fp8_scores and (not e4m3_query or head_dim < MIN_FP8_DOT_DEPTH):

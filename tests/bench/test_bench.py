@@ -518,3 +518,29 @@ def test_e2e_runs_a_launch_at_several_gpu_counts_each_with_its_tensor_parallel_s
     assert scaling["fsdp2x2/turbo"]["throughput_vs_1gpu"] == pytest.approx(2 * 20.0 / 22.0)
     assert scaling["fsdp2x4/turbo"]["scaling_efficiency"] == pytest.approx(20.0 / 25.0)
     assert "fsdp2/turbo" not in scaling and "1gpu/turbo" in scaling
+
+
+def test_a_row_names_the_all_reduces_the_engines_tensor_parallel_group_brought_up(monkeypatch):
+    import sys
+    import types
+
+    on, off = types.SimpleNamespace(disabled=False), types.SimpleNamespace(disabled=True)
+    communicator = types.SimpleNamespace(qr_comm=None, fi_ar_comm=None, ca_comm=off, symm_mem_comm=on,
+                                         pynccl_comm=on)
+    group = types.SimpleNamespace(world_size=2, device_communicator=communicator)
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.get_tp_group = lambda: group
+    for name in ("vllm", "vllm.distributed"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    assert e2e.engine_all_reduces() == {"vllm_tp_all_reduces": ["symm_mem", "nccl"]}  # the custom one failed
+    communicator.ca_comm = on
+    assert e2e.engine_all_reduces()["vllm_tp_all_reduces"][0] == "custom"
+    group.world_size = 1
+    assert e2e.engine_all_reduces() == {}
+
+    def no_group():
+        raise AssertionError("tensor model parallel group is not initialized")
+
+    state.get_tp_group = no_group
+    assert e2e.engine_all_reduces() == {}

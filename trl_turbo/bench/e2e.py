@@ -272,6 +272,30 @@ def cumem_pools() -> dict[str, float]:
     return pools
 
 
+# vLLM's device communicator tries these all-reduces in this order; NCCL is the last resort
+_ALL_REDUCES = (("quick", "qr_comm"), ("flashinfer", "fi_ar_comm"), ("custom", "ca_comm"),
+                ("symm_mem", "symm_mem_comm"), ("nccl", "pynccl_comm"))
+
+
+def engine_all_reduces() -> dict[str, list[str]]:
+    """The all-reduces the sampling engine's tensor-parallel group brought up (vLLM picks the first that takes a
+    tensor): a tensor-parallel decode step all-reduces twice a layer, and without the custom one each goes through
+    NCCL. Empty without vLLM or tensor parallelism."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except (ImportError, AssertionError):  # no vLLM, or no engine initialised its groups
+        return {}
+    communicator = getattr(group, "device_communicator", None)
+    if communicator is None or getattr(group, "world_size", 1) == 1:
+        return {}
+    up = [name for name, attribute in _ALL_REDUCES
+          if getattr(communicator, attribute, None) is not None
+          and not getattr(getattr(communicator, attribute), "disabled", False)]
+    return {"vllm_tp_all_reduces": up}
+
+
 # ---------------------------------------------------------------------------------------------------- worker
 _LOGGED = ("loss", "reward", "reward_std", "completions/mean_length", "entropy", "vllm/weight_sync_s",
            "vllm/shared_weights_gib", "vllm/separate_copy_gib", "vllm/weight_copy_s", "vllm/weight_map_s",
@@ -424,6 +448,7 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
                 try:
                     row.update(weight_accounting(trainer))
                     row.update(cumem_pools())
+                    row.update(engine_all_reduces())
                 except Exception as exc:
                     row["accounting_error"] = f"{type(exc).__name__}: {exc}"
 

@@ -17,8 +17,7 @@ Design decisions:
   is e4m3), the two halves of the layer's cache (viewed as e4m3 where quantized) with the layer's scales, the block
   table and the sequence lengths; it writes into vLLM's output.
 - A candidate, not what training samples with: nothing in the run plan asks for it until it beats FA3 inside the
-  engine (`bench engine-options --options fp8,fp8-turbo-attention`). Measured so far only outside vLLM
-  (`bench decode-attention`, docs/benchmarks.md).
+  engine (`bench engine-options --options bf16,bf16-turbo-attention`; docs/benchmarks.md has what was measured).
 """
 
 from __future__ import annotations

@@ -67,3 +67,46 @@ def test_unknown_options_and_missing_references_are_refused_before_any_gpu_work(
         engine_options.run(_args("--options", "bf16,fp9"))
     with pytest.raises(SystemExit, match="checked against 'fp8'"):
         engine_options.run(_args("--options", "fp8-marlin"))
+
+
+def test_the_file_is_rewritten_after_each_engine_so_a_command_cut_short_keeps_its_rows(monkeypatch, tmp_path):
+    import json
+
+    import torch
+
+    from trl_turbo.bench import e2e, hardware, results
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(e2e, "prepare_checkpoint", lambda *args: None)
+    monkeypatch.setattr(hardware, "measure_apart", lambda device: {"read_bytes_per_s": 4e12})
+    monkeypatch.setattr(results, "metadata", lambda benchmark, device, config: {"benchmark": benchmark})
+    greedy = [{"tokens": [1, 2], "logprobs": [-0.5, -0.5]}]
+    cell = {"batch": 8, "context": 16, "ms_per_step": 5.0}
+    written = []
+
+    def one_engine(module, jobs, gpus, timeout):
+        assert len(jobs) == 1  # one engine a job
+        files = list(tmp_path.glob("engine-options-*.json"))
+        written.append([row["name"] for row in json.loads(files[0].read_text())["rows"]] if files else [])
+        if jobs[0]["name"] == "bf16-turbo-attention":
+            raise KeyboardInterrupt  # the command's time ran out during the second engine
+        return [{"ok": True, "greedy": greedy, "cells": [dict(cell)]}]
+
+    monkeypatch.setattr(engine_options, "run_jobs", one_engine)
+    with pytest.raises(KeyboardInterrupt):
+        engine_options.run(_args("--options", "bf16,bf16-turbo-attention", "--out", str(tmp_path)))
+    assert written == [[], ["bf16"]]
+    (path,) = tmp_path.glob("engine-options-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["name"] == "bf16" and row["cells"][0]["over_floor"] == pytest.approx(5.0 / row["cells"][0]["floor_ms"])
+
+
+def test_a_candidates_agreement_is_filled_in_once_its_reference_has_run():
+    spec = shape_spec("llama-3.1-8b", None)
+    greedy = [{"tokens": [1, 2], "logprobs": [-0.5, -0.5]}]
+    rows = [{"name": "bf16-turbo-attention", "ok": True, "greedy": greedy, "cells": []}]
+    engine_options.finish_rows(rows, spec, 128, 4e12)
+    assert "agreement" not in rows[0]
+    rows.append({"name": "bf16", "ok": True, "greedy": greedy, "cells": []})
+    engine_options.finish_rows(rows, spec, 128, 4e12)
+    assert rows[0]["agreement"]["tokens_equal"] == 2 and "agreement" not in rows[1]

@@ -151,30 +151,36 @@ def run(args: argparse.Namespace) -> Path:
     meta = {**metadata("engine-options", device, config), "hardware": hardware}
     common = {"checkpoint": str(checkpoint), "batches": batches, "contexts": contexts, "tokens": args.tokens,
               "max_model_len": max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
-    rows = run_jobs("trl_turbo.bench.engine_options", [{**common, "name": name, "option": name} for name in names],
-                    ["0"], args.job_timeout)
     spec = shape_spec(args.shape, None)
-    for name, row in zip(names, rows):
-        row["name"] = name  # a job that never ran has no name of its own
-    by_name = {row["name"]: row for row in rows}
-    for row in rows:
-        option = OPTIONS[row["name"]]
-        for cell in row.get("cells", []):
-            floor = step_floor_s(spec, option, cell["batch"], cell["context"], args.tokens,
-                                 hardware["read_bytes_per_s"])
-            cell["floor_ms"] = 1e3 * floor
-            cell["over_floor"] = cell["ms_per_step"] / cell["floor_ms"]
-        reference = by_name.get(option.reference) if option.reference else None
-        if reference and row.get("greedy") and reference.get("greedy"):
-            row["agreement"] = agreement(row["greedy"], reference["greedy"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engine-options-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    rows: list[dict[str, Any]] = []
+    for name in names:  # one engine after another, the file rewritten after each: a cut-short command keeps its rows
+        row = run_jobs("trl_turbo.bench.engine_options", [{**common, "name": name, "option": name}], ["0"],
+                       args.job_timeout)[0]
+        row["name"] = name  # a job that never ran has no name of its own
+        rows.append(row)
+        finish_rows(rows, spec, args.tokens, hardware["read_bytes_per_s"])
+        path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     for row in rows:
         print(format_row(row), flush=True)
     print(f"wrote {path}")
     return path
+
+
+def finish_rows(rows: list[dict[str, Any]], spec: Any, tokens: int, read_bytes_per_s: float) -> None:
+    """Each measured cell against its floor, and each option's greedy agreement with its reference where both ran."""
+    by_name = {row["name"]: row for row in rows}
+    for row in rows:
+        option = OPTIONS[row["name"]]
+        for cell in row.get("cells", []):
+            cell["floor_ms"] = 1e3 * step_floor_s(spec, option, cell["batch"], cell["context"], tokens,
+                                                  read_bytes_per_s)
+            cell["over_floor"] = cell["ms_per_step"] / cell["floor_ms"]
+        reference = by_name.get(option.reference) if option.reference else None
+        if reference and row.get("greedy") and reference.get("greedy"):
+            row["agreement"] = agreement(row["greedy"], reference["greedy"])
 
 
 def format_row(row: dict[str, Any]) -> str:

@@ -59,7 +59,7 @@ def test_synthetic_rollouts_differ_per_call_and_normalize_over_every_process():
 def _args(**overrides) -> argparse.Namespace:
     defaults = dict(shape="qwen2.5-32b", launch="fsdp2", processes=2, micro_batch=8, prompt_len=256, steps=1,
                     warmup=1, checkpoint=None, variant_timeout=60.0, quantization="none", tis=False, out="unused",
-                    side_by_side=False)
+                    side_by_side=False, profile_step=False)
     return argparse.Namespace(**{**defaults, **overrides})
 
 
@@ -126,3 +126,44 @@ def test_side_by_side_needs_a_launch(monkeypatch):
     with pytest.raises(SystemExit, match="add --launch fsdp2"):
         train.run(_args(launch="1gpu", side_by_side=True, lengths="8192", variants="stock,turbo", device=None,
                         forward_token_budget=None, turbo_set=[]))
+
+
+def test_a_profiled_step_runs_after_the_timed_ones_and_needs_a_launch(tmp_path):
+    configs = {"turbo": train.variant_config("turbo")}
+    (spec,) = train_launched.specs(_args(profile_step=True, steps=2), [8192], ["turbo"], configs, tmp_path, "out")
+    assert spec["steps"] == 4 and spec["profile_step"] == 3  # one warm-up, two timed, then the profiled one
+    (plain,) = train_launched.specs(_args(), [8192], ["turbo"], configs, tmp_path, "out")
+    assert plain["steps"] == 2 and plain["profile_step"] is None
+    with pytest.raises(SystemExit, match="--profile-step profiles a launched row"):
+        train.run(_args(launch="1gpu", profile_step=True, lengths="8192", variants="stock,turbo", device=None,
+                        forward_token_budget=None, turbo_set=[]))
+
+
+def test_the_step_of_the_profiled_index_and_only_it_runs_under_the_profiler(monkeypatch):
+    import contextlib
+    import types
+
+    from trl_turbo.bench import step_profile
+    from trl_turbo.bench.step_profile import Kernel
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    opened = []
+
+    @contextlib.contextmanager
+    def fake_profiled():
+        kernels = []
+        opened.append(kernels)
+        yield kernels
+        kernels.append(Kernel("gemm", 7, 0.0, 10.0))
+
+    monkeypatch.setattr(step_profile, "profiled", fake_profiled)
+    callbacks, steps = [], []
+    trainer = types.SimpleNamespace(add_callback=callbacks.append)
+    sampler = types.SimpleNamespace(phase=None, take_peaks=lambda: {"train": 2**30})
+    with e2e._instrument(trainer, sampler, steps, lambda: None, profile_step=1):
+        (recorder,) = callbacks
+        for _ in range(3):
+            recorder.on_step_begin(None, None, None)
+            recorder.on_step_end(None, None, None)
+    assert len(opened) == 1 and ["profile" in step for step in steps] == [False, True, False]
+    assert steps[1]["profile"]["compute_busy_ms"] == pytest.approx(0.01)

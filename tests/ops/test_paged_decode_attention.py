@@ -226,3 +226,66 @@ def test_a_page_of_any_size_is_gathered_token_by_token():
     large = paged_decode_attention(query, big_k, big_v, big_table, lens, softmax_scale=0.3, max_seq_len=96,
                                    config=(32, 4, 2, 3))
     assert torch.equal(small, large)
+
+
+# Compiles the kernels for Hopper ahead of time, without a GPU (Triton's own compiler and ptxas): what the interpreter
+# cannot check (layouts, shared memory, dot operand types) at the cuts the engine launches.
+_HOPPER_COMPILE = r"""
+import inspect, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from trl_turbo.kernels import paged_decode_attention as m
+
+def compile_for_hopper(kernel, pointers, constants, warps, stages=1):
+    names = inspect.signature(kernel.fn).parameters
+    signature = {name: "constexpr" if name.isupper() else pointers.get(name, "i32") for name in names}
+    signature["qk_scale"] = "fp32"
+    source = ASTSource(fn=kernel, signature={k: v for k, v in signature.items() if k in names}, constexprs=constants)
+    triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
+
+cuts = [("bf16", "bf16", tl.bfloat16, False), ("fp16", "fp16", tl.float16, False),
+        ("fp8e4nv", "fp8e4nv", tl.float16, False), ("fp8e4nv", "fp8e4nv", tl.float16, True)]
+for query, cache, dot, fp8_scores in cuts:
+    cut = m.decode_attention_config(2112, 64, 8, 132, e4m3_cache=cache == "fp8e4nv")
+    pointers = {"q_ptr": f"*{query}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": "*bf16",
+                "acc_ptr": "*fp32", "stats_ptr": "*fp32", "q_scale_ptr": "*fp32", "k_scale_ptr": "*fp32",
+                "v_scale_ptr": "*fp32", "table_ptr": "*i32", "lens_ptr": "*i32"}
+    for one_run in (True, False):
+        constants = dict(GROUP=4, GROUP_ROWS=16, HEAD_DIM=128, PAGE=16, BLOCK_N=cut.block_n, ONE_RUN=one_run,
+                         Q_SCALED=query == "fp8e4nv", KV_SCALED=cache == "fp8e4nv", DOT_TYPE=dot,
+                         FP8_SCORES=fp8_scores, WIDE=False)
+        compile_for_hopper(m._paged_decode_runs_kernel, pointers, constants, cut.warps, cut.stages)
+combine = {"acc_ptr": "*fp32", "stats_ptr": "*fp32", "lens_ptr": "*i32", "out_ptr": "*bf16"}
+compile_for_hopper(m._paged_decode_combine_kernel, combine, dict(HEAD_DIM=128, CHUNK=16, BLOCK_N=32), 4)
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_hopper_at_the_engines_cuts():
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], capture_output=True, text=True, env=env,
+                            timeout=600)
+    if "No such file" in result.stderr and "ptxas" in result.stderr:
+        pytest.skip("this Triton has no ptxas to compile for NVIDIA GPUs")
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@needs_triton
+def test_the_combine_takes_more_runs_than_it_holds_at_once_in_chunks():
+    from trl_turbo.kernels.paged_decode_attention import COMBINE_CHUNK, paged_decode_attention, run_length
+
+    lengths = [300, 3, 0, 37]
+    query, keys, values, table, lens, scales = _case(lengths, seed=9)
+    runs = 40  # 300 tokens in runs of one 16-token tile: 19 runs hold tokens, more than one chunk
+    assert -(-300 // run_length(300, runs, 16)) > COMBINE_CHUNK
+    result = paged_decode_attention(query, keys, values, table, lens, softmax_scale=0.25, max_seq_len=300,
+                                    config=(16, 4, 2, runs))
+    assert_within_naive_error(result, _naive(query, keys, values, table, lens, scales, 0.25),
+                              _exact(query, keys, values, table, lens, scales, 0.25))
+    assert torch.count_nonzero(result[2]) == 0

@@ -7,6 +7,7 @@ engine keeps FlashAttention's own forward."""
 from __future__ import annotations
 
 import types
+import warnings
 
 import pytest
 import torch
@@ -145,6 +146,15 @@ def test_the_request_is_an_engine_argument_vllm_hashes_and_install_is_undone_by_
     assert decode_attention.requested_max_len(_engine_config(2112)) == 2112
     assert decode_attention.requested_max_len(_engine_config(None)) is None
     assert decode_attention.requested_max_len(types.SimpleNamespace(additional_config=None)) is None
+    for mode, served in (("FULL_AND_PIECEWISE", True), ("FULL_DECODE_ONLY", True), ("PIECEWISE", True),
+                         ("FULL", False)):
+        config = _engine_config(2112)
+        config.compilation_config = types.SimpleNamespace(cudagraph_mode=types.SimpleNamespace(name=mode))
+        decode_attention._warn_once.cache_clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert decode_attention.requested_max_len(config) == (2112 if served else None), mode
+        assert any("cudagraph_mode FULL" in str(w.message) for w in caught) == (not served), mode
     import trl_turbo
     from trl_turbo import registry
 

@@ -53,13 +53,16 @@ def sweep_configs(context: int, fp8: bool = False, runs_first: int | None = None
     an e4m3 cell with and without e4m3 scores. The cuts with `runs_first` runs (the default cut's count) come first,
     then the others, each group in a fixed shuffled order so that a sweep its budget cuts short has sampled every
     dimension of the cuts the engine could take."""
+    def used(runs: int, block_n: int) -> int:  # the runs that hold tokens of `context`
+        return math.ceil(context / run_length(context, runs, block_n))
+
     configs = set()
     for block_n, warps, stages, runs, fp8_scores in itertools.product(
             SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES, sorted({*SWEEP_RUNS, runs_first or 1}),
             (False, True) if fp8 else (False,)):
-        used = math.ceil(context / run_length(context, runs, block_n))
-        configs.add(DecodeAttentionConfig(block_n, warps, stages, used, fp8_scores))
-    first = sorted(config for config in configs if config.runs == runs_first)
+        configs.add(DecodeAttentionConfig(block_n, warps, stages, used(runs, block_n), fp8_scores))
+    # the default's count as this context uses it: a longer longest context asks for more runs than it fills
+    first = sorted(c for c in configs if runs_first is not None and c.runs == used(runs_first, c.block_n))
     rest = sorted(configs - set(first))
     random.Random(0).shuffle(first)
     random.Random(0).shuffle(rest)

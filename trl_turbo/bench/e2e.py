@@ -527,22 +527,28 @@ def _instrument(trainer: Any, sampler: MemorySampler, steps: list[dict[str, Any]
                           "before_peak_gib": self.before / GIB,
                           "peak_gib": max(self.before, *peaks.values()) / GIB})
             if self.kernels is not None:
-                profiling.close()  # fills self.kernels
-                steps[-1]["profile"] = step_profile.summarize_step(self.kernels, step_s)
-                print(f"[rank {os.environ.get('RANK', 0)}] {step_profile.format_step(steps[-1]['profile'])}",
-                      flush=True)
+                try:  # a profile that fails loses only itself, never the row's timed steps
+                    profiling.close()  # fills self.kernels
+                    steps[-1]["profile"] = step_profile.summarize_step(self.kernels, step_s)
+                    print(f"[rank {os.environ.get('RANK', 0)}] {step_profile.format_step(steps[-1]['profile'])}",
+                          flush=True)
+                except Exception as exc:
+                    traceback.print_exc()
+                    steps[-1]["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.kernels = None
             sampler.phase = "between"
             on_step()
 
     trainer.add_callback(StepRecorder())
-    if generation is None:  # synthetic rollouts: no engine to time
-        yield
-        return
-    with (registry.scoped(generation, "generate",
-                          _timed(sampler, "generation", phases, "generate_s", generation.generate)),
-          registry.scoped(generation, "sync_weights",
-                          _timed(sampler, "generation", phases, "sync_s", generation.sync_weights))):
-        yield
+    with profiling:  # a step that raised under the profiler: the profiler stops with the block
+        if generation is None:  # synthetic rollouts: no engine to time
+            yield
+            return
+        with (registry.scoped(generation, "generate",
+                              _timed(sampler, "generation", phases, "generate_s", generation.generate)),
+              registry.scoped(generation, "sync_weights",
+                              _timed(sampler, "generation", phases, "sync_s", generation.sync_weights))):
+            yield
 
 
 def summarize(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -583,6 +589,9 @@ def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
         merged[key] = max(values) if values else None
         merged[f"{key}_per_rank"] = [row.get(key) for row in rows]
     merged["timelines_per_rank"] = [row.get("timeline") for row in rows[1:]]
+    profiles = [next((step["profile"] for step in row.get("steps") or [] if "profile" in step), None) for row in rows]
+    if any(profiles):  # a slow rank's waits are the step's
+        merged["step_profile_per_rank"] = profiles
     return merged
 
 

@@ -125,6 +125,8 @@ def summarize_step(kernels: Iterable[Kernel], wall_s: float) -> dict[str, Any]:
 
 def format_step(summary: dict[str, Any]) -> str:
     """One line: the step, the compute stream's busy and idle time, and what its idle time waited behind."""
+    if "error" in summary:
+        return f"step profile failed: {summary['error']}"
     if summary.get("compute_stream") is None:
         return f"step profile: {summary['wall_ms']:.0f} ms, no kernel recorded"
     behind = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in summary["idle_behind_ms"].items())

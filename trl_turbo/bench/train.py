@@ -384,6 +384,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--side-by-side", action="store_true",
                         help="--launch: every variant at once, each on --processes GPUs of its own")
     parser.add_argument("--profile-step", action="store_true",
-                        help="--launch: one more step under the profiler, after the timed ones: each stream's busy "
-                             "time, and what the compute stream waited behind")
+                        help="--launch: one more step under the profiler, after the timed ones (allow for it in "
+                             "--variant-timeout): each stream's busy time, and what the compute stream waited behind")
     parser.set_defaults(func=run)

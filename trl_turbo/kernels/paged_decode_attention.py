@@ -49,6 +49,7 @@ E4M3 = torch.float8_e4m3fn
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 PROGRAMS_PER_PROCESSOR = 4  # the default cut's target: enough programs to hide a gathered tile's latency
 MIN_RUN_TILES = 4  # the default cut's shortest run, in tiles
+COMBINE_CHUNK = 16  # runs the combine holds at once: registers bounded whatever the run count
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -146,24 +147,35 @@ def _paged_decode_runs_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, q_scale_
 
 @triton.jit
 def _paged_decode_combine_kernel(acc_ptr, stats_ptr, lens_ptr, out_ptr, runs, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, RUNS: tl.constexpr, BLOCK_N: tl.constexpr):
+                                 HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + seq)
     length = _run_length(seq_len, runs, BLOCK_N)
     if seq_len > length:  # else one run (or none) held the context, and wrote the output itself
         used = tl.cdiv(seq_len, length)
-        index = tl.arange(0, RUNS)
-        taken = index < used
         base = (seq * tl.num_programs(1) + head) * runs
-        maxima = tl.load(stats_ptr + (base + index) * 2, mask=taken, other=float("-inf"))
-        sums = tl.load(stats_ptr + (base + index) * 2 + 1, mask=taken, other=0.0)
-        weights = tl.where(taken, tl.exp2(maxima - tl.max(maxima, axis=0)), 0.0)
+        # CHUNK runs at a time (a long context over a small batch may have hundreds): the largest max first, then the
+        # rescaled partial outputs and sums, in run order
+        top = tl.full((), float("-inf"), tl.float32)
+        for first in range(0, used, CHUNK):
+            index = first + tl.arange(0, CHUNK)
+            maxima = tl.load(stats_ptr + (base + index) * 2, mask=index < used, other=float("-inf"))
+            top = tl.maximum(top, tl.max(maxima, axis=0))
         dims = tl.arange(0, HEAD_DIM)
-        partial = tl.load(acc_ptr + (base + index)[:, None] * HEAD_DIM + dims[None, :], mask=taken[:, None],
-                          other=0.0)
-        out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights * sums, axis=0)
-        tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+        out = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+        total = tl.zeros((), dtype=tl.float32)
+        for first in range(0, used, CHUNK):
+            index = first + tl.arange(0, CHUNK)
+            taken = index < used
+            maxima = tl.load(stats_ptr + (base + index) * 2, mask=taken, other=float("-inf"))
+            sums = tl.load(stats_ptr + (base + index) * 2 + 1, mask=taken, other=0.0)
+            weights = tl.where(taken, tl.exp2(maxima - top), 0.0)
+            partial = tl.load(acc_ptr + (base + index)[:, None] * HEAD_DIM + dims[None, :], mask=taken[:, None],
+                              other=0.0)
+            out += tl.sum(partial * weights[:, None], axis=0)
+            total += tl.sum(weights * sums, axis=0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (out / total).to(out_ptr.dtype.element_ty))
 
 
 class DecodeAttentionConfig(NamedTuple):
@@ -266,7 +278,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         DOT_TYPE=tl.float16 if e4m3_cache else _DOT_TYPES[key_cache.dtype], FP8_SCORES=tiling.fp8_scores,
         WIDE=INTERPRETED, num_warps=tiling.warps, num_stages=tiling.stages)
     if not one_run:
-        _paged_decode_combine_kernel[(tokens, q_heads)](acc, stats, lens, out, runs, out.stride(0), out.stride(1),
-                                                HEAD_DIM=head_dim, RUNS=triton.next_power_of_2(runs),
-                                                BLOCK_N=tiling.block_n)
+        _paged_decode_combine_kernel[(tokens, q_heads)](
+            acc, stats, lens, out, runs, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            CHUNK=min(COMBINE_CHUNK, triton.next_power_of_2(runs)), BLOCK_N=tiling.block_n)
     return out

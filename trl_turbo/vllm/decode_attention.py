@@ -16,6 +16,8 @@ Design decisions:
 - The kernel reads what FA3 reads: the query as vLLM hands it (e4m3 under the layer's query scale where the KV cache
   is e4m3), the two halves of the layer's cache (viewed as e4m3 where quantized) with the layer's scales, the block
   table and the sequence lengths; it writes into vLLM's output.
+- Only where full CUDA graphs serve decode-only batches alone (vLLM's default FULL_AND_PIECEWISE, or
+  FULL_DECODE_ONLY): under FULL a mixed batch replays a graph whose attention was routed at capture.
 - A candidate, not what training samples with: nothing in the run plan asks for it until it beats FA3 inside the
   engine (`bench engine-options --options bf16,bf16-turbo-attention`; docs/benchmarks.md has what was measured).
 """
@@ -23,6 +25,7 @@ Design decisions:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -51,11 +54,28 @@ def _current_vllm_config() -> Any:
     return engine_request.current_config()
 
 
+def mixed_batches_full_graphed(config: Any) -> bool:
+    """Whether the engine replays full CUDA graphs for mixed prefill and decode batches (`cudagraph_mode` FULL): a
+    graph captured over a decode-only batch would then replay the kernel on prefill rows."""
+    mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
+    return getattr(mode, "name", None) == "FULL"
+
+
 def requested_max_len(config: Any) -> int | None:
-    """The engine's `max_model_len` where the engine `config` describes asked for the kernel, else None."""
+    """The engine's `max_model_len` where the engine `config` describes asked for the kernel and replays full graphs
+    for decode-only batches only, else None (FA3 everywhere, said once)."""
     if not engine_request.asked(config, ENGINE_KEY, PAGED_TRITON):
         return None
+    if mixed_batches_full_graphed(config):
+        _warn_once("trl_turbo: the decode attention kernel stays off: this engine's cudagraph_mode FULL replays one "
+                   "graph for decode-only and mixed batches; FULL_AND_PIECEWISE (vLLM's default) lets it serve.")
+        return None
     return int(config.model_config.max_model_len)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _marking(init: Any) -> Any:

@@ -239,10 +239,14 @@ from triton.compiler import ASTSource
 from trl_turbo.kernels import paged_decode_attention as m
 
 def compile_for_hopper(kernel, pointers, constants, warps, stages=1):
-    names = inspect.signature(kernel.fn).parameters
+    names = list(inspect.signature(kernel.fn).parameters)
     signature = {name: "constexpr" if name.isupper() else pointers.get(name, "i32") for name in names}
     signature["qk_scale"] = "fp32"
-    source = ASTSource(fn=kernel, signature={k: v for k, v in signature.items() if k in names}, constexprs=constants)
+    # as a launch specializes them: vLLM's tensors and their strides are multiples of 16 bytes (the block table's
+    # row stride need not be), which turns on vectorized and asynchronous copies and their shared memory
+    aligned = [name for name in names if name.endswith("_ptr") or name.startswith("stride_") and name != "stride_table"]
+    source = ASTSource(fn=kernel, signature={k: v for k, v in signature.items() if k in names}, constexprs=constants,
+                       attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
     triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps, "num_stages": stages})
 
 cuts = [("bf16", "bf16", tl.bfloat16, False), ("fp16", "fp16", tl.float16, False),

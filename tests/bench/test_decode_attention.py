@@ -51,3 +51,18 @@ def test_the_command_is_registered(capsys):
     with pytest.raises(SystemExit):
         bench_main.main(["decode-attention", "--help"])
     assert "--max-model-len" in capsys.readouterr().out
+
+
+def test_explicit_cuts_are_parsed_and_named_as_the_command_spells_them():
+    from trl_turbo.bench.decode_attention import cut_name, parse_cuts
+    from trl_turbo.kernels.paged_decode_attention import DecodeAttentionConfig
+
+    cuts = parse_cuts("32/2/2/1, 64/2/3/2/e4m3")
+    assert cuts == (DecodeAttentionConfig(32, 2, 2, 1), DecodeAttentionConfig(64, 2, 3, 2, True))
+    assert [cut_name(cut) for cut in cuts] == ["32/2/2/1", "64/2/3/2/e4m3"]
+    assert parse_cuts(None) == parse_cuts("") == ()
+    for bad in ("32/2/2", "32/2/2/1/bf16", "32/two/2/1", "32/2/2/1/e4m3/x"):
+        with pytest.raises(SystemExit, match="TILE/WARPS/STAGES/RUNS"):
+            parse_cuts(bad)
+    with pytest.raises(SystemExit, match="TILE/WARPS/STAGES/RUNS"):  # before any GPU work
+        bench_main.main(["decode-attention", "--cuts", "32/2"])

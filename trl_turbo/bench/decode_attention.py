@@ -69,6 +69,24 @@ def sweep_configs(context: int, fp8: bool = False, runs_first: int | None = None
     return first + rest
 
 
+def cut_name(cut: DecodeAttentionConfig) -> str:
+    """A cut as `--cuts` spells it: tile/warps/stages/runs, and "e4m3" for e4m3 scores."""
+    return "/".join(map(str, cut[:4])) + ("/e4m3" if cut.fp8_scores else "")
+
+
+def parse_cuts(text: str | None) -> tuple[DecodeAttentionConfig, ...]:
+    """`--cuts`: comma-separated cuts, each TILE/WARPS/STAGES/RUNS with an optional /e4m3 (e4m3 scores; e4m3 cells
+    only)."""
+    cuts = []
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        fields = item.split("/")
+        scores = fields[4:] == ["e4m3"]
+        if len(fields) not in (4, 5) or (len(fields) == 5 and not scores) or not all(f.isdigit() for f in fields[:4]):
+            raise SystemExit(f"--cuts: {item!r} is not TILE/WARPS/STAGES/RUNS[/e4m3], e.g. 32/2/2/1")
+        cuts.append(DecodeAttentionConfig(*map(int, fields[:4]), fp8_scores=scores))
+    return tuple(cuts)
+
+
 def _cell_inputs(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, fp8: bool, layers: int,
                  device: Any) -> dict[str, Any]:
     import torch
@@ -145,10 +163,12 @@ def _error(calls: list, cell: dict[str, Any], exact: Any) -> float:
 
 
 def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head_dim: int, fp8: bool, layers: int,
-                 device: Any, budget_s: float, max_model_len: int | None = None) -> dict[str, Any]:
+                 device: Any, budget_s: float, max_model_len: int | None = None,
+                 cuts: tuple[DecodeAttentionConfig, ...] = ()) -> dict[str, Any]:
     """Seconds per layer of each candidate on one cell, their largest error against the fp32 reference, and the
     sweep's cuts sorted fastest first (as many as `budget_s` allows). With `max_model_len`, also the kernel as a
-    CUDA graph of the engine captures it: the default cut for the batch and that longest context."""
+    CUDA graph of the engine captures it: the default cut for the batch and that longest context; and each of
+    `cuts` (`--cuts`), whatever the budget."""
     import torch
 
     from ..ops.paged_decode_attention import reference
@@ -166,18 +186,19 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     default = _turbo_calls(cell, context, head_dim, None)
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
+    named = {f"turbo, cut {cut_name(cut)}": cut for cut in cuts if fp8 or not cut.fp8_scores}
     if max_model_len is not None:
         engine_cut = decode_attention_config(max_model_len, sequences, kv_heads, processors, fp8)
-        cuts = {"turbo, engine cut": engine_cut}
+        named["turbo, engine cut"] = engine_cut
         if fp8:
-            cuts["turbo, engine cut, e4m3 scores"] = engine_cut._replace(fp8_scores=True)
-        for name, cut in cuts.items():
-            captured = _turbo_calls(cell, max_model_len, head_dim, cut)
-            try:
-                error = _error(captured, cell, exact)
-                seconds[name], errors[name] = graph_seconds_per_call(captured), error
-            except Exception as failure:  # a cut Triton cannot build here: recorded, the cell goes on
-                failed[name] = failure_line(failure)
+            named["turbo, engine cut, e4m3 scores"] = engine_cut._replace(fp8_scores=True)
+    for name, cut in named.items():
+        captured = _turbo_calls(cell, max_model_len or context, head_dim, cut)
+        try:
+            error = _error(captured, cell, exact)
+            seconds[name], errors[name] = graph_seconds_per_call(captured), error
+        except Exception as failure:  # a cut Triton cannot build here: recorded, the cell goes on
+            failed[name] = failure_line(failure)
 
     def time_one(config: DecodeAttentionConfig) -> tuple[float, float]:
         calls = _turbo_calls(cell, context, head_dim, config)
@@ -199,6 +220,7 @@ def run(args: argparse.Namespace) -> Path:
     from .results import metadata
     from .roofline import shape_spec
 
+    cuts = parse_cuts(args.cuts)  # bad input fails before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("the decode-attention benchmark times CUDA kernels: it needs a CUDA GPU")
     device = torch.device("cuda", 0)
@@ -214,7 +236,8 @@ def run(args: argparse.Namespace) -> Path:
     bandwidth = hardware["read_bytes_per_s"]
     config = {"shape": args.shape, "tp": args.tp, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": spec.head_dim,
               "layers": spec.layers, "cells": cells, "caches": dtypes, "page": PAGE, "fa3_splits": FA3_SPLITS,
-              "sweep_budget_s": args.sweep_budget_s, "max_model_len": args.max_model_len}
+              "sweep_budget_s": args.sweep_budget_s, "max_model_len": args.max_model_len,
+              "cuts": [cut_name(cut) for cut in cuts]}
     meta = {**metadata("decode-attention", device, config), "hardware": hardware}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +246,7 @@ def run(args: argparse.Namespace) -> Path:
     for dtype, (sequences, context) in itertools.product(dtypes, cells):
         fp8 = dtype == "fp8"
         measured = measure_cell(sequences, context, q_heads, kv_heads, spec.head_dim, fp8, spec.layers, device,
-                                args.sweep_budget_s, args.max_model_len)
+                                args.sweep_budget_s, args.max_model_len, cuts)
         floor = step_bytes(sequences, context, q_heads, kv_heads, spec.head_dim, 1 if fp8 else 2, 1) / bandwidth
         measured["step_ms"] = {name: 1e3 * s * spec.layers for name, s in measured["seconds"].items()}
         measured["read_fraction"] = {name: floor / s for name, s in measured["seconds"].items()}
@@ -253,6 +276,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated SEQUENCESxCONTEXT cells")
     parser.add_argument("--caches", default="fp8,bf16", help="comma-separated among bf16,fp8")
     parser.add_argument("--sweep-budget-s", type=float, default=8.0, help="seconds of sweep per cell")
+    parser.add_argument("--cuts", default=None,
+                        help="comma-separated cuts timed in every cell whatever the sweep's budget, each "
+                             "TILE/WARPS/STAGES/RUNS[/e4m3], e.g. 32/2/2/1,32/2/2/2 (with --sweep-budget-s 0: only "
+                             "these)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="also time the kernel as the engine's CUDA graphs capture it for this longest context")
     parser.add_argument("--out", default=str(DEFAULT_RESULTS_DIR), help="results folder")

@@ -20,12 +20,14 @@ layer alone and 31 us inside vLLM) and reads long fp8 caches at 55-58% of the ba
   (vLLM's is 16).
 - fp8 caches (e4m3, one scale per tensor, as vLLM keeps them) and fp8 queries (vLLM quantizes them for FA3) are
   widened in registers to fp16, which holds every e4m3 value exactly and which Hopper converts to in one instruction
-  (to bf16 it takes several: an fp8 cache read that way ran slower than a bf16 one); the scales multiply the fp32
+  (to bf16 a second conversion per element follows); the scales multiply the fp32
   scores (queries and keys) and the fp32 output (values), so the products themselves are exact. A cut may instead
   take the scores from e4m3 products of an e4m3 query and keys (`fp8_scores`: exact products, no key widened, which
   Hopper's fp8 tensor cores may sum at reduced precision, as in FA3), a candidate for `bench decode-attention`'s
-  sweep. Probabilities enter the second product in the dot's 16-bit type
-  (fp16 for e4m3, else the cache's). Zero-length sequences (CUDA-graph padding) give zeros.
+  sweep. Probabilities enter the second product in the dot's 16-bit type (fp16 for e4m3, else the cache's). That
+  product contracts over tokens, so its e4m3 values are transposed on their way from shared memory, which Triton
+  does a byte at a time on Hopper (`ldmatrix` transposes 16-bit elements only): e4m3 reads at about 60% of the
+  bandwidth at best, bf16 at 96%. Zero-length sequences (CUDA-graph padding) give zeros.
 
 With `TRITON_INTERPRET=1` set before import the kernels also run on CPU tensors (`INTERPRETED`); the interpreter's
 16-bit `tl.dot` is wrong, so there both operands are widened to fp32 first.

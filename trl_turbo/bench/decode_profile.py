@@ -42,12 +42,20 @@ OTHER = "other elementwise"
 PROBE_TOKENS = 128  # tokens each profiled generation samples; its second half's decode steps are measured
 PROBE_CONTEXT = 16  # its prompts' default length: short, so attention reads little
 TOP = 4  # kernels listed per class, the longest first
-_PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CLASSES)
 
 
-def classify(kernel: str) -> str:
-    """The class of a kernel name (`OTHER` when no class matches)."""
-    return next((name for name, pattern in _PATTERNS if pattern.search(kernel)), OTHER)
+def compiled_classes(classes: Sequence[tuple[str, str]]) -> tuple[tuple[str, re.Pattern[str]], ...]:
+    """A table of (class, name pattern) ready for `classify`."""
+    return tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in classes)
+
+
+_PATTERNS = compiled_classes(KERNEL_CLASSES)
+
+
+def classify(kernel: str, classes: Sequence[tuple[str, re.Pattern[str]]] = _PATTERNS) -> str:
+    """The class of a kernel name: the first of `classes` (a decode step's by default) whose pattern it matches,
+    else `OTHER`."""
+    return next((name for name, pattern in classes if pattern.search(kernel)), OTHER)
 
 
 def waves(batch: int, max_num_seqs: int | None) -> int:

@@ -589,7 +589,7 @@ def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
         merged[key] = max(values) if values else None
         merged[f"{key}_per_rank"] = [row.get(key) for row in rows]
     merged["timelines_per_rank"] = [row.get("timeline") for row in rows[1:]]
-    profiles = [next((step["profile"] for step in row.get("steps") or [] if "profile" in step), None) for row in rows]
+    profiles = [step_profile.profile_of(row) for row in rows]
     if any(profiles):  # a slow rank's waits are the step's
         merged["step_profile_per_rank"] = profiles
     return merged

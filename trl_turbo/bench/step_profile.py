@@ -13,11 +13,11 @@ synchronisation). One step is profiled (torch's profiler, CUDA activity only) af
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
-from .decode_profile import KERNEL_CLASSES, OTHER
+from . import decode_profile
+from .decode_profile import KERNEL_CLASSES
 
 # A training step's own classes first: NCCL's collectives, host copies (offloaded checkpoints, optimizer states),
 # the optimizer; then the decode profile's.
@@ -27,7 +27,7 @@ TRAIN_KERNEL_CLASSES: tuple[tuple[str, str], ...] = (
     ("optimizer", r"adam|multi_tensor_apply"),
     *KERNEL_CLASSES,
 )
-_PATTERNS = tuple((name, re.compile(pattern, re.IGNORECASE)) for name, pattern in TRAIN_KERNEL_CLASSES)
+_PATTERNS = decode_profile.compiled_classes(TRAIN_KERNEL_CLASSES)
 COMPUTE = "gemm"  # the class that names the compute stream
 EXPOSED = ("communication", "host copy")  # the classes whose time on other streams can hold the compute stream back
 
@@ -42,8 +42,8 @@ class Kernel(NamedTuple):
 
 
 def classify(kernel: str) -> str:
-    """The class of a kernel name in a training step (`OTHER` when none matches)."""
-    return next((name for name, pattern in _PATTERNS if pattern.search(kernel)), OTHER)
+    """The class of a kernel name in a training step (`decode_profile.OTHER` when none matches)."""
+    return decode_profile.classify(kernel, _PATTERNS)
 
 
 def union_us(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -133,6 +133,11 @@ def format_step(summary: dict[str, Any]) -> str:
     return (f"step profile: {summary['wall_ms']:.0f} ms; compute stream busy {summary['compute_busy_ms']:.0f} ms, "
             f"idle {summary['compute_idle_ms']:.0f} ms (behind {behind}; GPU empty "
             f"{summary['idle_with_gpu_empty_ms']:.0f} ms)")
+
+
+def profile_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The step profile a row's steps carry, if one step was profiled."""
+    return next((step["profile"] for step in row.get("steps") or [] if "profile" in step), None)
 
 
 def kernels_of(profiler: Any) -> list[Kernel]:

@@ -108,7 +108,7 @@ def format_row(row: dict[str, Any]) -> str:
     label = f"{row['variant']:>11} {row.get('launch')}x{row.get('processes')} L={row.get('completion_len')}"
     if not row.get("ok"):
         return f"{label} FAILED: {row.get('error')}"
-    profiled = next((step["profile"] for step in row.get("steps") or [] if "profile" in step), None)
+    profiled = step_profile.profile_of(row)
     return (f"{label} peak per GPU={fmt(row['peak_gib'], '6.2f')} GiB (each {row.get('peak_gib_per_rank')})  "
             f"init peak={fmt(row.get('init_peak_gib'), '6.2f')} GiB  step={fmt(row['step_s'], '7.2f')} s"
             + (f"\n    {step_profile.format_step(profiled)}" if profiled else ""))

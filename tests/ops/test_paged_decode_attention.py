@@ -194,9 +194,11 @@ def test_the_default_cut_gives_the_gpu_four_programs_per_processor_whatever_the_
 
     many = decode_attention_config(2112, sequences=64, kv_heads=8, processors=132)
     few = decode_attention_config(2112, sequences=8, kv_heads=8, processors=132)
-    assert many == (32, 2, 2, 2, False)  # 1024 programs
-    assert decode_attention_config(2112, 64, 8, 132, e4m3_cache=True) == (64, 2, 3, 2, False)
-    assert few.runs == 9  # 576 programs: runs of seven tiles at 1984 tokens
+    assert many == (64, 2, 3, 1, False)  # 512 programs: one run of 64-token tiles
+    assert decode_attention_config(2112, 64, 8, 132, e4m3_cache=True) == (64, 2, 3, 1, False)
+    assert few == (32, 2, 2, 8, False)  # 512 programs: runs of eight tiles at 1984 tokens
+    assert decode_attention_config(2112, 8, 8, 132, e4m3_cache=True) == (64, 2, 3, 8, False)
+    assert decode_attention_config(2112, sequences=32, kv_heads=8, processors=132).runs == 2
     assert decode_attention_config(16, sequences=1, kv_heads=1, processors=132).runs == 1  # no run under four tiles
     assert decode_attention_config(300, sequences=1, kv_heads=1, processors=132).runs == 3
 
@@ -231,7 +233,7 @@ def test_a_page_of_any_size_is_gathered_token_by_token():
 # Compiles the kernels for Hopper ahead of time, without a GPU (Triton's own compiler and ptxas): what the interpreter
 # cannot check (layouts, shared memory, dot operand types) at the cuts the engine launches.
 _HOPPER_COMPILE = r"""
-import inspect, sys
+import inspect, itertools, sys
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -251,8 +253,8 @@ def compile_for_hopper(kernel, pointers, constants, warps, stages=1):
 
 cuts = [("bf16", "bf16", tl.bfloat16, False), ("fp16", "fp16", tl.float16, False),
         ("fp8e4nv", "fp8e4nv", tl.float16, False), ("fp8e4nv", "fp8e4nv", tl.float16, True)]
-for query, cache, dot, fp8_scores in cuts:
-    cut = m.decode_attention_config(2112, 64, 8, 132, e4m3_cache=cache == "fp8e4nv")
+for (query, cache, dot, fp8_scores), sequences in itertools.product(cuts, (64, 8)):  # one run, and several
+    cut = m.decode_attention_config(2112, sequences, 8, 132, e4m3_cache=cache == "fp8e4nv")
     pointers = {"q_ptr": f"*{query}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": "*bf16",
                 "acc_ptr": "*fp32", "stats_ptr": "*fp32", "q_scale_ptr": "*fp32", "k_scale_ptr": "*fp32",
                 "v_scale_ptr": "*fp32", "table_ptr": "*i32", "lens_ptr": "*i32"}

@@ -154,6 +154,12 @@ KNOWN_MISSES = dict.fromkeys([("e2e-llama-3.1-8b-20261128-012724", "turbo"),
 # 12.8% under the forecast, which plans up to the ceiling: the run's first micro-batch peaked 8 GiB over its own
 # prediction (40.2 GiB), and every later plan kept that excess in reserve, so it held fewer layers on the device.
 KNOWN_MISSES[("train-qwen2.5-32b-2gpu-fsdp2-20261129-094303", "turbo")] = KNOWN_MISS_TOLERANCE
+# The same shape under "min" in one forward of 8 x 8448 tokens (`--forward-token-budget 131072`; …-134951): torch
+# allocated at most 49.8 GiB, under the 53.9 GiB forecast, but reserved 67.4 GiB and the driver counted 69.6: the
+# caching allocator held 17.5 GiB of free blocks among the 0.7-0.9 GiB tensors of a 67584-token forward (6.8 GiB in
+# the same command's default split into three groups, …-134227, within TOLERANCE). The forecast does not model
+# torch's cache.
+KNOWN_MISSES[("train-qwen2.5-32b-2gpu-fsdp2-20261129-134951", "turbo-min")] = 0.25
 KNOWN_MISSES[("e2e-llama-3.3-70b-4gpu-tp4-cap79.1gib-20261128-160231", "turbo")] = 0.45
 KNOWN_MISSES[("e2e-llama-3.1-8b-4gpu-tp4-20261128-155807", "turbo")] = 0.55
 # The 70B row again with in-place loading: no start-up peak, but its first micro-batch still ran as one forward (no

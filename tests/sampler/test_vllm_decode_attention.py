@@ -17,6 +17,8 @@ from trl_turbo.ops.paged_decode_attention import reference
 from trl_turbo.vllm import decode_attention
 
 PAGE, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 4, 2, 32
+# The kernel serves CPU tensors only under the interpreter (the CPU suite); on a GPU machine the batch is on the GPU
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class FlashAttentionImpl:
@@ -81,7 +83,10 @@ def _batch(fp8: bool, *, lengths=(5, 40, 0), padded: int = 4, query_len: int = 1
                                      causal=True, block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32),
                                      max_seq_len=max(lengths))
     output = torch.full((padded, Q_HEADS * HEAD_DIM), -1.0, dtype=torch.bfloat16)
-    return layer, query, kv, metadata, output
+    for name, value in vars(layer).items():
+        setattr(layer, name, value.to(DEVICE))
+    metadata.block_table, metadata.seq_lens = metadata.block_table.to(DEVICE), metadata.seq_lens.to(DEVICE)
+    return layer, query.to(DEVICE), kv.to(DEVICE), metadata, output.to(DEVICE)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -97,7 +102,7 @@ def test_a_marked_engines_decode_batches_take_the_kernel_into_vllms_output(impl_
         keys, values = keys.view(FP8_DTYPE), values.view(FP8_DTYPE)
         scales = {"q_scale": layer._q_scale, "k_scale": layer._k_scale, "v_scale": layer._v_scale}
     expected = reference(query[:3], keys, values, metadata.block_table, metadata.seq_lens,
-                         softmax_scale=HEAD_DIM ** -0.5, out=torch.empty(3, Q_HEADS, HEAD_DIM), **scales)
+                         softmax_scale=HEAD_DIM ** -0.5, out=torch.empty(3, Q_HEADS, HEAD_DIM, device=DEVICE), **scales)
     written = output[:3].float().view(3, Q_HEADS, HEAD_DIM)
     torch.testing.assert_close(written, expected, atol=2e-2, rtol=2e-2)
     assert torch.count_nonzero(written[2]) == 0  # an empty sequence
@@ -121,8 +126,8 @@ def test_other_batches_options_and_engines_keep_flash_attention(impl_class, monk
         _impl(impl_class, monkeypatch, 128, **option).forward(layer, query, None, None, kv, metadata, output)
     per_head = types.SimpleNamespace(**{**vars(layer), "_k_scale": torch.ones(KV_HEADS)})  # per-head fp8 scales
     marked.forward(per_head, query, None, None, kv, metadata, output)
-    odd_heads = torch.zeros(4, Q_HEADS, 24, dtype=torch.bfloat16)  # a head size the kernel does not take
-    odd_cache = torch.zeros(kv.shape[:-1] + (24,), dtype=torch.bfloat16)
+    odd_heads = torch.zeros(4, Q_HEADS, 24, dtype=torch.bfloat16, device=DEVICE)  # a head size the kernel does not take
+    odd_cache = torch.zeros(kv.shape[:-1] + (24,), dtype=torch.bfloat16, device=DEVICE)
     marked.forward(layer, odd_heads, None, None, odd_cache, metadata, output)
     plain = _impl(impl_class, monkeypatch, None)
     assert not hasattr(plain, decode_attention.MARK)

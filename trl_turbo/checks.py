@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from typing import Any
 
@@ -37,6 +38,7 @@ from .distributed import (
     unsupported_features,
 )
 from .losses import PRODUCT_IS_MODES, TURBO_IS_MODES, validate_loss_options
+from .offload import expandable_segments
 from .vllm.adapter import adapter_problems
 from .vllm.quantized import compute_dtype_warning, quantization_config_dict
 from .vllm.sharing import copy_reasons, fallback_warning
@@ -53,6 +55,7 @@ def check_config(args: Any, installed: bool = True) -> None:
         if reason is not None:
             raise ValueError(reason)
     _check_sizes(args, settings)
+    _check_allocator(settings)
     _check_memory_features_strategy(args, settings)
     _check_optimizer_states(args, settings)
     _check_vllm(args, settings, installed)
@@ -86,6 +89,13 @@ def _check_sizes(args: Any, settings: Settings) -> None:
     budget = settings.offload_host_budget_gib
     if budget is not None and not (math.isfinite(budget) and budget >= 0):
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
+
+
+def _check_allocator(settings: Settings) -> None:
+    if settings.expandable_segments and expandable_segments.configured() is False:
+        conf = os.environ.get(expandable_segments.ENV)
+        raise ValueError(f"`turbo_expandable_segments=True`, but {expandable_segments.ENV}={conf!r} turns expandable "
+                         "segments off: drop one of them.")
 
 
 def _check_loss(args: Any, settings: Settings) -> None:

@@ -192,6 +192,14 @@ class TurboFields:
             "split. See docs/usage.md#sequence-groups."
         },
     )
+    turbo_expandable_segments: bool = field(
+        default=False,
+        metadata={
+            "help": "Turn on PyTorch's expandable segments for the training process's CUDA allocations (unless "
+            "PYTORCH_CUDA_ALLOC_CONF names them), so blocks freed by tensors of changing sizes merge instead of "
+            "staying reserved. See docs/usage.md#expandable-segments."
+        },
+    )
     turbo_lean_norms: bool = field(
         default=True,
         metadata={
@@ -322,6 +330,7 @@ class Settings:
     tiled_mlp: bool
     tiled_mlp_tokens: int
     forward_token_budget: int | None
+    expandable_segments: bool
     lean_norms: bool
     vllm_match_precision: bool
     vllm_shared_weights: bool

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from typing import Any
 
@@ -55,7 +54,7 @@ def check_config(args: Any, installed: bool = True) -> None:
         if reason is not None:
             raise ValueError(reason)
     _check_sizes(args, settings)
-    _check_allocator(settings)
+    _check_allocator(args, settings)
     _check_memory_features_strategy(args, settings)
     _check_optimizer_states(args, settings)
     _check_vllm(args, settings, installed)
@@ -91,11 +90,23 @@ def _check_sizes(args: Any, settings: Settings) -> None:
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
 
 
-def _check_allocator(settings: Settings) -> None:
-    if settings.expandable_segments and expandable_segments.configured() is False:
-        conf = os.environ.get(expandable_segments.ENV)
-        raise ValueError(f"`turbo_expandable_segments=True`, but {expandable_segments.ENV}={conf!r} turns expandable "
-                         "segments off: drop one of them.")
+def _check_allocator(args: Any, settings: Settings) -> None:
+    if not settings.expandable_segments:
+        return
+    if expandable_segments.configured() is False:
+        name, conf = expandable_segments.settings_in_force()
+        raise ValueError(f"`turbo_expandable_segments=True`, but {name}={conf!r} turns expandable segments off: drop "
+                         "one of them.")
+    sleeps = settings.vllm_standby or getattr(args, "vllm_enable_sleep_mode", False)
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate" and sleeps:
+        from .vllm_contract import EXPANDABLE_SEGMENTS, installed_verdict
+
+        engine = installed_verdict()
+        lost = engine.why_unavailable(EXPANDABLE_SEGMENTS) if engine.error is None else None
+        if lost is not None:
+            raise ValueError(f"`turbo_expandable_segments=True` cannot run beside this vLLM's sleep-mode memory pool: "
+                             f"{lost}. Set it to False, or install a vLLM that keeps it (`pip install "
+                             "'trl-turbo[vllm]'`).")
 
 
 def _check_loss(args: Any, settings: Settings) -> None:

@@ -50,6 +50,7 @@ class Requirement:
 SHARED_4BIT = "shared 4-bit weights"
 FP8_SAMPLING = "fp8 sampling"
 FP8_KV_STANDBY = "an fp8 KV cache in standby"
+EXPANDABLE_SEGMENTS = "expandable segments beside the sleep-mode memory pool"
 
 
 # vLLM 0.24's generation: the adapter loader takes the model's mapper as is; allocations carry no sleep state.
@@ -73,6 +74,8 @@ CONTRACT_0_24: tuple[Requirement, ...] = (
     Requirement("KV standby: what vLLM's wake-up redoes for the KV cache", "v1/worker/gpu_model_runner.py",
                 "GPUModelRunner.post_kv_cache_wake_up"),
     Requirement("KV standby: the prefix cache after a wake-up", "entrypoints/llm.py", "LLM.reset_prefix_cache"),
+    Requirement("expandable segments: the sleep-mode pool switches them off around itself", "device_allocator/cumem.py",
+                "CuMemAllocator.use_memory_pool", body_has=("_set_allocator_settings",), feature=EXPANDABLE_SEGMENTS),
     Requirement("generation with a pushed adapter", "entrypoints/llm.py", "LLM.generate",
                 ("prompts", "sampling_params", "use_tqdm", "lora_request")),
     Requirement("shared 4-bit weights: the loader fed the training model's bytes",

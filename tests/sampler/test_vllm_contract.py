@@ -58,6 +58,9 @@ FAKE_0_24 = {
                 for ptr, data in self.pointer_to_data.items():
                     if tags is None or data.tag in tags:
                         create_and_map(data.handle)
+            def use_memory_pool(self, tag=None):
+                if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+                    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     """,
     "v1/worker/gpu_model_runner.py": """
         class GPUModelRunner:
@@ -322,6 +325,28 @@ def test_fp8_sampling_is_refused_where_the_vllm_cannot_serve_it(tmp_path, monkey
             with pytest.raises(ValueError, match=r"turbo_vllm_sampling='fp8'.*cannot run on this vLLM.*fp8_per_tensor"):
                 _grpo_config(turbo_vllm_shared_weights=True, turbo_vllm_sampling="fp8",
                              vllm_importance_sampling_mode="token_truncate")
+    finally:
+        vllm_contract._installed_verdict.cache_clear()
+
+
+def test_expandable_segments_are_refused_beside_a_sleep_mode_pool_that_does_not_switch_them_off(tmp_path,
+                                                                                                monkeypatch):
+    files = dict(FAKE_0_25)
+    files["device_allocator/cumem.py"] = files["device_allocator/cumem.py"].replace(
+        'torch.cuda.memory._set_allocator_settings("expandable_segments:False")',
+        'raise AssertionError("Expandable segments are not compatible with memory pool.")')
+    as_if_vllm_installed(monkeypatch, "0.27.1", _tree(tmp_path, files))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert "_set_allocator_settings" in verdict("0.27.1", tmp_path / "vllm").why_unavailable(
+                vllm_contract.EXPANDABLE_SEGMENTS)
+            with pytest.raises(ValueError, match=r"turbo_expandable_segments=True.*sleep-mode memory pool.*0\.27\.1"):
+                _grpo_config(turbo_vllm_standby=True, turbo_expandable_segments=True)
+            _grpo_config(turbo_vllm_standby=True)  # the rest of the engine features run
+            _grpo_config(turbo_expandable_segments=True)  # no sleep-mode pool in this run
     finally:
         vllm_contract._installed_verdict.cache_clear()
 

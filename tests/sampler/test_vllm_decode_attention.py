@@ -91,6 +91,8 @@ def _batch(fp8: bool, *, lengths=(5, 40, 0), padded: int = 4, query_len: int = 1
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_a_marked_engines_decode_batches_take_the_kernel_into_vllms_output(impl_class, monkeypatch, fp8):
+    if fp8 and DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 in hardware needs compute capability 8.9 (the seam keeps FA3 below it)")
     impl = _impl(impl_class, monkeypatch, 128, kv_cache_dtype="fp8" if fp8 else "auto")
     assert getattr(impl, decode_attention.MARK) == 128
     layer, query, kv, metadata, output = _batch(fp8)

@@ -197,12 +197,12 @@ def decode_attention_config(max_seq_len: int, sequences: int, kv_heads: int, pro
                             e4m3_cache: bool = False) -> DecodeAttentionConfig:
     """Two warps a program, and as many runs as give the GPU about `PROGRAMS_PER_PROCESSOR` programs per processor
     (rounded: one run at 64 sequences x 8 KV heads on 132 processors), no run shorter than `MIN_RUN_TILES` tiles at
-    `max_seq_len`. Tiles of 64 tokens in three stages for an e4m3 cache and for any cache read in one run; 32 in two
-    for a 16-bit cache cut into several runs. These are the fastest cuts `bench decode-attention` timed on an H200:
-    at 64 sequences x 8 KV heads one run of 64-token tiles was 11-19% under FA3 at 320-512 tokens and 6-7% at 1984,
-    both caches; at 8 sequences x 1984 tokens the e4m3 cut ties FA3 and the 16-bit one is 4% over. The cut depends
-    on the batch and the longest context only, so a CUDA graph captured for a batch size serves every context up to
-    `max_seq_len`."""
+    `max_seq_len`. Tiles of 64 tokens in three stages for an e4m3 cache, and for a 16-bit one where the batch fills the
+    GPU with one run; else 32 in two. These are the fastest cuts `bench decode-attention` timed on an H200: at 64
+    sequences x 8 KV heads one run of 64-token tiles was 19-39% under FA3 at 320-512 tokens and 6-7% at 1984, both
+    caches; at 8 sequences x 1984 tokens the e4m3 cut (eight runs) ties FA3, and the 16-bit one was 4% over at nine
+    runs (eight not timed). The cut depends on the batch and the longest context only, so a CUDA graph captured for a
+    batch size serves every context up to `max_seq_len`."""
     wanted = max(1, round(PROGRAMS_PER_PROCESSOR * processors / max(1, sequences * kv_heads)))
     block_n, stages = (64, 3) if e4m3_cache or wanted == 1 else (32, 2)
     runs = max(1, min(wanted, -(-max_seq_len // (MIN_RUN_TILES * block_n))))

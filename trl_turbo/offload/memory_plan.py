@@ -82,6 +82,10 @@ MIN_PLANNED_GROUP_TOKENS = GROUP_TOKEN_COSTS[0][0]
 # What recomputing every layer adds to that time (same files: "min", every layer checkpointed and offloaded,
 # 4.403 s against 3.092 s).
 RECOMPUTE_COST = 0.42
+# Under FSDP2 each sequence group is a forward and a backward that gathers every layer again: what a group beyond the
+# first adds to a micro-step's time. Measured on 2 x H200 (Qwen2.5-32B shape, LoRA, 8 x 8448 tokens per GPU, "min"):
+# three groups 34.05 s, one forward 33.21 s (train-qwen2.5-32b-2gpu-fsdp2-20261129-134227, -134951).
+SHARDED_GROUP_COST = 0.013
 # Before any measurement, a layer's saved activations (and its backward working set) are assumed to be this many times
 # its input (Llama-3.1-8B: plain autograd saves 24.6x, a kept layer 14.5x). A first forward too large for that runs
 # the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).
@@ -255,7 +259,7 @@ def plan_cost(plan: LayerPlan, layer_count: int, tokens: float | None = None) ->
 
 
 def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, layer_count: int,
-                       plan_for: Callable[[int], LayerPlan]) -> int:
+                       plan_for: Callable[[int], LayerPlan], sharded: bool = False) -> int:
     """Sequences in the largest group of the split of a micro-batch of `sequences` x `length` tokens (forwards of at
     most `max_tokens`, None: unlimited) with the lowest `plan_cost`; `plan_for(tokens)` plans a forward of that many
     tokens. Each number of groups `grpo.sequence_groups` can run is priced as it runs: memory by its largest group,
@@ -263,7 +267,8 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
     every split that does not, however fast: the budget is a promise (under standby, the generation's peak); among
     splits that do not fit, the smallest predicted peak wins. Splits whose smallest group is under
     `MIN_PLANNED_GROUP_TOKENS` are not considered (the fewest groups the token budget allows always are); ties go to
-    fewer groups."""
+    fewer groups. A `sharded` model (FSDP2 over several ranks) adds `SHARDED_GROUP_COST` for each group beyond the
+    first."""
     largest = sequences if max_tokens is None else max(1, min(sequences, max_tokens // length))
     fewest = -(-sequences // largest)
     best_rows, best_key = -(-sequences // fewest), (2, math.inf)
@@ -274,7 +279,8 @@ def fastest_group_rows(sequences: int, length: int, max_tokens: int | None, laye
         if count > fewest and (sequences // count) * length < MIN_PLANNED_GROUP_TOKENS:
             break
         plan = plan_for(rows * length)
-        key = ((0, plan_cost(plan, layer_count, sequences * length / count)) if plan.available_bytes >= 0
+        gathers = 1 + SHARDED_GROUP_COST * (count - 1) if sharded else 1.0
+        key = ((0, plan_cost(plan, layer_count, sequences * length / count) * gathers) if plan.available_bytes >= 0
                else (1, float(plan.predicted_peak_bytes)))
         if _ranks_before(key, best_key):
             best_rows, best_key = rows, key
@@ -437,7 +443,8 @@ class MemoryPlanner:
             self.last_budget = self._budget(device)
         if self.last_budget is None or not self.input_bytes_per_token:
             return None
-        return length * fastest_group_rows(sequences, length, max_tokens, self.layer_count, self.plan_for)
+        return length * fastest_group_rows(sequences, length, max_tokens, self.layer_count, self.plan_for,
+                                           sharded=self._sharded_reserve() > 0)
 
     def mode(self, index: int) -> str:
         """How the layer at `index` >= 1 runs in the current forward (the first layer runs in `run_first_layer`);

@@ -155,7 +155,7 @@ def forecast_training(spec: ModelSpec, batch: MicroBatch, *, mode: str, capacity
     plan, steady_rows, steady_groups = first_plan, rows, groups
     if forward_token_budget is not None:  # later micro-batches: the groups the planner prices fastest
         steady_rows = fastest_group_rows(batch.sequences, batch.sequence_tokens, forward_token_budget, spec.layers,
-                                         plan_for)
+                                         plan_for, sharded=sharded_reserve > 0)
         steady_rows, steady_groups = token_groups(batch, steady_rows * batch.sequence_tokens)
         plan = plan_for(steady_rows * batch.sequence_tokens)
     host = plan.offloaded * plan.input_bytes

@@ -34,6 +34,8 @@ _DISTRIBUTIONS = {
     "accelerate": "accelerate",
     "triton": "triton",
     "vllm": "vllm",
+    # vLLM runs its all-reduce + RMSNorm fusion (tensor parallel) and its sampler through flashinfer where it imports
+    "flashinfer": "flashinfer-python",
     "bitsandbytes": "bitsandbytes",
     "liger_kernel": "liger-kernel",
     "trl_turbo": "trl-turbo",

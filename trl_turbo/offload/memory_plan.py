@@ -82,10 +82,12 @@ MIN_PLANNED_GROUP_TOKENS = GROUP_TOKEN_COSTS[0][0]
 # What recomputing every layer adds to that time (same files: "min", every layer checkpointed and offloaded,
 # 4.403 s against 3.092 s).
 RECOMPUTE_COST = 0.42
-# Under FSDP2 each sequence group is a forward and a backward that gathers every layer again: what a group beyond the
-# first adds to a micro-step's time. Measured on 2 x H200 (Qwen2.5-32B shape, LoRA, 8 x 8448 tokens per GPU, "min"):
-# three groups 34.05 s, one forward 33.21 s (train-qwen2.5-32b-2gpu-fsdp2-20261129-134227, -134951).
-SHARDED_GROUP_COST = 0.013
+# Under FSDP2 each sequence group is a forward and a backward through the sharded model, its layers gathered again:
+# what a group beyond the first adds to a micro-step's time besides `GROUP_TOKEN_COSTS`. Measured on 2 x H200
+# (Qwen2.5-32B shape, LoRA, 8 x 8448 tokens per GPU, "min"): three groups 34.05 s, one forward 33.21 s
+# (train-qwen2.5-32b-2gpu-fsdp2-20261129-134227, -134951), 2.5% of which the table prices 0.5% (groups of 22528 tokens
+# on average); the profile puts the rest in NCCL's gathers and in attention.
+SHARDED_GROUP_COST = 0.010
 # Before any measurement, a layer's saved activations (and its backward working set) are assumed to be this many times
 # its input (Llama-3.1-8B: plain autograd saves 24.6x, a kept layer 14.5x). A first forward too large for that runs
 # the most frugal plan instead of measuring (a 524K-token forward would keep 90 GiB).

@@ -124,3 +124,24 @@ def test_a_trainer_with_the_field_turns_them_on_before_trls_constructor(monkeypa
                 processing_class=build_tokenizer(), train_dataset=arithmetic.load_dataset("train").select(range(8)))
     assert seen == [True if field else None]
     assert allocator == (["expandable_segments:True"] if field else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_segments_made_after_enabling_expand_and_those_after_unpatch_do_not():
+    def new_segment_expands() -> set[bool]:
+        torch.cuda.empty_cache()  # no cached block to serve it: the allocation makes a segment
+        held = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        kinds = {segment["is_expandable"] for segment in torch.cuda.memory_snapshot()
+                 if segment["address"] <= held.data_ptr() < segment["address"] + segment["total_size"]}
+        del held
+        return kinds
+
+    torch.cuda.init()
+    if new_segment_expands() != {False}:
+        pytest.skip("this process's allocator expands its segments already")
+    assert expandable_segments.enable()  # CUDA has started: the running allocator's setting
+    assert new_segment_expands() == {True}
+    trl_turbo.unpatch()
+    assert new_segment_expands() == {False}
+    torch.cuda.empty_cache()

@@ -90,6 +90,11 @@ def _check_sizes(args: Any, settings: Settings) -> None:
         raise ValueError(f"`turbo_offload_host_budget_gib` must be a finite number of GiB >= 0 or None, got {budget}.")
 
 
+def colocated(args: Any) -> bool:
+    """Whether `args` run a colocated vLLM engine (TRL's `use_vllm` with `vllm_mode='colocate'`)."""
+    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", "colocate") == "colocate"
+
+
 def _check_allocator(args: Any, settings: Settings) -> None:
     if not settings.expandable_segments:
         return
@@ -98,7 +103,7 @@ def _check_allocator(args: Any, settings: Settings) -> None:
         raise ValueError(f"`turbo_expandable_segments=True`, but {name}={conf!r} turns expandable segments off: drop "
                          "one of them.")
     sleeps = settings.vllm_standby or getattr(args, "vllm_enable_sleep_mode", False)
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate" and sleeps:
+    if colocated(args) and sleeps:
         from .vllm_contract import EXPANDABLE_SEGMENTS, installed_verdict
 
         engine = installed_verdict()

@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_trainer, liger_unavailable, policy_model_type
+from .checks import check_trainer, colocated, liger_unavailable, policy_model_type
 from .config import RolloutCheckMode, SamplingMode, Settings
 from .distributed import CHECKPOINTING_FEATURES, Strategy, detect_strategy, unsupported_features
 from .families import MODEL_TYPES
@@ -94,10 +94,6 @@ def rollout_check(settings: Settings, *, installed: bool = True) -> RolloutCheck
     if installed_verdict().notice is not None:  # None also where no vLLM is installed
         return RolloutCheckMode.ERROR
     return settings.rollout_check
-
-
-def _colocated(args: Any) -> bool:
-    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", "colocate") == "colocate"
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -228,6 +224,6 @@ def forecast(args: Any, *, engine_facts: EngineFacts | None, cuda_device: bool =
     Liger's layers are not forecast."""
     settings = Settings.of(args)
     engine = plan_engine(settings, engine_facts, tp_size=int(getattr(args, "vllm_tensor_parallel_size", 1) or 1),
-                         fsdp2=detect_strategy(args) is Strategy.FSDP2) if _colocated(args) else None
+                         fsdp2=detect_strategy(args) is Strategy.FSDP2) if colocated(args) else None
     installed = engine_facts.installed_vllm if engine_facts is not None else True
     return _plan(args, settings, engine, cuda_device=cuda_device, liger_enabled=liger_enabled, installed=installed)

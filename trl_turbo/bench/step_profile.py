@@ -92,11 +92,11 @@ def summarize_step(kernels: Iterable[Kernel], wall_s: float) -> dict[str, Any]:
     kernels = list(kernels)
     if not kernels:
         return {"wall_ms": 1e3 * wall_s, "streams": {}, "compute_stream": None}
+    kinds = [classify(kernel.name) for kernel in kernels]
     streams: dict[int, dict[str, Any]] = {}
-    for kernel in kernels:
+    for kernel, kind in zip(kernels, kinds):
         entry = streams.setdefault(kernel.stream, {"intervals": [], "classes": {}})
         entry["intervals"].append((kernel.start_us, kernel.end_us))
-        kind = classify(kernel.name)
         entry["classes"][kind] = entry["classes"].get(kind, 0.0) + (kernel.end_us - kernel.start_us)
     compute = max(streams, key=lambda stream: (streams[stream]["classes"].get(COMPUTE, 0.0),
                                                _length(streams[stream]["intervals"])))
@@ -106,7 +106,8 @@ def summarize_step(kernels: Iterable[Kernel], wall_s: float) -> dict[str, Any]:
     idle = _gaps(compute_busy, window_start, last)
     covered: dict[str, float] = {}
     for kind in EXPOSED:
-        spans = union_us((k.start_us, k.end_us) for k in kernels if k.stream != compute and classify(k.name) == kind)
+        spans = union_us((k.start_us, k.end_us) for k, named in zip(kernels, kinds) if k.stream != compute
+                         and named == kind)
         covered[kind] = _overlap(idle, spans) / 1e3
     anything_else = union_us((k.start_us, k.end_us) for k in kernels if k.stream != compute)
     return {

@@ -186,12 +186,13 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
     default = _turbo_calls(cell, context, head_dim, None)
     errors["turbo, default cut"] = _error(default, cell, exact)
     seconds["turbo, default cut"] = graph_seconds_per_call(default)
+    # the default cut for the longest context the launch serves: the engine's, else the cell's
+    rule = decode_attention_config(max_model_len or context, sequences, kv_heads, processors, fp8)
     named = {f"turbo, cut {cut_name(cut)}": cut for cut in cuts if fp8 or not cut.fp8_scores}
     if max_model_len is not None:
-        engine_cut = decode_attention_config(max_model_len, sequences, kv_heads, processors, fp8)
-        named["turbo, engine cut"] = engine_cut
+        named["turbo, engine cut"] = rule
         if fp8:
-            named["turbo, engine cut, e4m3 scores"] = engine_cut._replace(fp8_scores=True)
+            named["turbo, engine cut, e4m3 scores"] = rule._replace(fp8_scores=True)
     for name, cut in named.items():
         captured = _turbo_calls(cell, max_model_len or context, head_dim, cut)
         try:
@@ -205,7 +206,6 @@ def measure_cell(sequences: int, context: int, q_heads: int, kv_heads: int, head
         error = _error(calls, cell, exact)
         return graph_seconds_per_call(calls), error
 
-    rule = decode_attention_config(max_model_len or context, sequences, kv_heads, processors, fp8)
     swept = timed_sweep(sweep_configs(context, fp8, runs_first=rule.runs), time_one, budget_s)
     if swept["sweep"]:
         seconds["turbo, best cut"] = swept["sweep"][0]["seconds"]
